@@ -637,7 +637,7 @@ class WorkerPool(PoolReports):
                     quiet_until - self.clock(), self._on_batch_timeout, worker, job
                 )
                 return
-        if worker.process is not None and is_stopped(worker.process.pid):
+        if worker.process is not None and is_stopped(worker.process.pid or 0):
             # stopped from outside, not hung at its input: killed as an operator's kill -9
             # is, its work run again as a crash's (a lone batch so stopped was answered 500
             # and counted toward its input's quarantine: two host stalls refused a
