@@ -41,7 +41,12 @@ from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
 from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_limit
 from rawserve.ops.stop_signals import stop_signals
-from rawserve.options import ignored_by_the_handler, misspelled_variables, parse_config
+from rawserve.options import (
+    KEY_VARIABLE,
+    ignored_by_the_handler,
+    misspelled_variables,
+    parse_config,
+)
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
 from rawserve.shared import log_writer
@@ -479,6 +484,9 @@ def start(argv: Sequence[str] | None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # The workers inherit the environment: they log at the same level and format.
     os.environ.update(RAWSERVE_LOG_LEVEL=config.log_level, RAWSERVE_LOG_FORMAT=config.log_format)
+    # ... but not the API key, read now: a model's own code (trust_remote_code) could read
+    # it there; the HTTP processes are given it
+    os.environ.pop(KEY_VARIABLE, None)
     try:
         # before anything listens: a Hub model is downloaded (or found in the cache) once,
         # here, and the workers are given its folder

@@ -802,15 +802,8 @@ def check_values(
             f"--max-batch-delay-ms ({args.max_batch_delay_ms:g}) must not be above "
             f"--max-timeout ({args.max_timeout:g} s, the longest deadline)"
         )
-    if args.api_key is not None and not (
-        args.api_key.isprintable() and args.api_key.strip() == args.api_key
-    ):
-        # a header value cannot end in whitespace or hold a control character: with such
-        # a key (a secret file's last newline) every request would be refused as a wrong key
-        parser.error(
-            "--api-key holds a control character or ends in whitespace (a file's last "
-            "newline?), which no Authorization header can carry"
-        )
+    if args.api_key is not None and (fault := api_key_fault(args.api_key)):
+        parser.error(f"--api-key {fault}")
     if not 1 <= args.http_processes <= cores.cores:  # one speaks HTTP on a core at most
         parser.error(f"--http-processes must be from 1 to {cores.cores}, {allowed}")
     check_host(args.host, parser)
@@ -849,6 +842,30 @@ def check_values(
         parser.error(f"--log-level must be one of {', '.join(LOG_LEVELS).lower()}")
     if args.log_format not in LOG_FORMATS:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+
+
+def api_key_fault(key: str) -> str | None:
+    """Why `key` cannot be sent as a Bearer token (None: it can). A header's value cannot
+    begin or end in whitespace nor hold a control character: with such a key (a secret
+    file's last newline) every request would be refused as a wrong key; nor can clients
+    send one beyond ASCII: the openai SDK raised UnicodeEncodeError before it sent, and
+    requests sent it in Latin-1, a wrong key, where curl sent UTF-8."""
+    if not key.isascii():
+        return (
+            "holds a character beyond ASCII, which clients cannot send in an Authorization "
+            "header alike (RFC 6750's tokens are ASCII)"
+        )
+    if not key.isprintable():
+        return (
+            "holds a control character (a file's last newline?), which no Authorization "
+            "header can carry"
+        )
+    if key.strip() != key:
+        return (
+            "begins or ends in whitespace (a file's last newline?), which no Authorization "
+            "header can carry"
+        )
+    return None
 
 
 def check_host(host: str, parser: argparse.ArgumentParser) -> None:

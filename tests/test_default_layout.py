@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rawserve.config import WorkerPlan, plan_workers
@@ -194,6 +196,22 @@ def test_a_served_worker_s_tokenizer_parallelism(monkeypatch, given):
     with RunningServer(["--handler", "tests.handlers:environment"]) as server:
         status, answer = server.post_json({"inputs": "TOKENIZERS_PARALLELISM"})
         assert (status, answer) == (200, given or "false")
+
+
+def test_the_api_key_is_not_in_a_workers_environment():
+    """The workers inherited RAWSERVE_API_KEY: a model's own code (trust_remote_code)
+    could read it. It is read once, and the HTTP processes are given it."""
+    key = "k-secret-1"
+    argv = ["--handler", "tests.handlers:environment", "--http-processes", "2"]
+    with RunningServer(argv, env={"RAWSERVE_API_KEY": key}) as server:
+        body = json.dumps({"inputs": "RAWSERVE_API_KEY"})
+        headers = {"Content-Type": "application/json"}
+        status, _, _ = server.request("POST", "/", body, headers)
+        assert status == 401
+        for _ in range(4):  # (through each HTTP process, likely)
+            headers["Authorization"] = f"Bearer {key}"
+            status, _, answer = server.request("POST", "/", body, headers)
+            assert (status, json.loads(answer)) == (200, None)
 
 
 def test_threads_without_a_device_makes_fewer_workers_not_more_threads_than_cores(monkeypatch):

@@ -309,9 +309,12 @@ def test_a_device_or_a_key_given_twice_is_refused_not_its_last_kept(
         # it was "answered 404", or "[Errno 21] Is a directory" once the repo was cached
         (["--revision", ""], "--revision is empty: name a branch, tag or commit"),
         # a client can send none of these: every request would be 401 "not valid"
-        (["--api-key", "secret\n"], "--api-key holds a control character or ends in"),
-        (["--api-key", " secret"], "--api-key holds a control character or ends in"),
-        (["--api-key", "sec\x00ret"], "--api-key holds a control character or ends in"),
+        (["--api-key", "secret\n"], "--api-key holds a control character"),
+        (["--api-key", " secret"], "--api-key begins or ends in whitespace"),
+        (["--api-key", "secret "], "--api-key begins or ends in whitespace"),
+        (["--api-key", "sec\x00ret"], "--api-key holds a control character"),
+        # curl sent it in UTF-8, requests in Latin-1, the openai SDK not at all
+        (["--api-key", "clé-secrète"], "--api-key holds a character beyond ASCII"),
     ],
 )
 def test_an_address_a_process_count_or_a_key_that_cannot_serve_is_refused_before_loading(

@@ -7,6 +7,7 @@ import datetime
 import email.utils
 import gzip
 import json
+import logging
 import re
 import socket
 import ssl
@@ -2931,3 +2932,27 @@ def test_an_expired_certificate_is_warned_of_with_its_date(tls_files):
     expired_on = (now - datetime.timedelta(days=1)).strftime("%Y-%m-%d")
     assert said is not None and f"expired on {expired_on}" in said
     assert validity_warning(tls_files["cert"], now) is None
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        (b"Authorization: Bearer sk-test-0123456789abcdef\x00", "field 'Authorization'"),
+        (b"Authorization: Bearer sk-test-0123456789abcdef\rx", "field 'Authorization'"),
+        (b"sk-test-0123456789abcdef", "a line with no field name"),
+    ],
+)
+def test_a_malformed_header_line_is_logged_without_its_value(caplog, line, said):
+    """h11 quotes a line it cannot read whole: an API key ending in a stray NUL or CR (a
+    key read from a file with Windows line ends) was written to the debug log."""
+    from rawserve.http.refusals import protocol_error
+
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n" + line + b"\r\n\r\n")
+    with pytest.raises(h11.RemoteProtocolError) as raised:
+        connection.next_event()
+    with caplog.at_level(logging.DEBUG, logger="rawserve.protocol"):
+        error = protocol_error(raised.value)
+    assert error.status == 400
+    [logged] = [r.getMessage() for r in caplog.records]
+    assert said in logged and "sk-test" not in logged, logged

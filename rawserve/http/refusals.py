@@ -79,13 +79,33 @@ def _is_served_target(method: bytes, target: bytes) -> bool:
     return target == b"*" and method == b"OPTIONS"
 
 
+# h11's words for a header line it could not read, which quote the line whole; its name
+# kept where it has one
+HEADER_LINE = re.compile(
+    r"illegal header line: (?:bytearray\()?b['\"]([-!#$%&'*+.^_`|~0-9A-Za-z]{1,64}):"
+)
+
+
+def without_header_values(message: str) -> str:
+    """h11's `message` without a header's value: it quotes a malformed line whole, an
+    Authorization's API key with it (a key ending in a stray CR or NUL, from a file with
+    Windows line ends, was written to the debug log)."""
+    if message.startswith("Illegal header value"):
+        return "Illegal header value (not shown)"
+    if message.startswith("illegal header line"):
+        named = HEADER_LINE.match(message)
+        field = f" (field {named[1]!r}" if named else " (a line with no field name"
+        return f"illegal header line{field}; its value not shown)"
+    return message
+
+
 def protocol_error(
     exc: h11.RemoteProtocolError, in_body: bool = False, unparsed: bytes = b""
 ) -> HTTPError:
     """What h11 could not parse, as a typed error (details go to the debug log only).
     Past the head, what h11 finds too long is a chunk-size line or a trailer: the body's;
     before it, the request line when `unparsed` (what h11 holds) has not ended one yet."""
-    log.debug("malformed request: %s", exc)
+    log.debug("malformed request: %s", without_header_values(str(exc)))
     if exc.error_status_hint == 431 and in_body:
         return PayloadTooLarge("a chunk-size line or trailer field is too long")
     if exc.error_status_hint == 431 and b"\n" not in unparsed.lstrip(b"\r\n"):
