@@ -1510,6 +1510,76 @@ def test_an_image_cut_short_is_the_clients_error(runner, fmt):
     assert classify.describe_failure(refused.value).kind == FailureKind.INPUT
 
 
+def test_a_broken_png_chunk_is_the_clients_error(runner):
+    """Pillow raises SyntaxError ("broken PNG file") for a chunk of a type no PNG has
+    past the image data's first: neither OSError nor ValueError, it was a 500."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    pixels = zlib.compress(b"".join(b"\0" + bytes(120) for _ in range(30)))
+    half = len(pixels) // 2
+    broken = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", 40, 30, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", pixels[:half])
+        + chunk(b"ID-T", pixels[half:])
+        + chunk(b"IEND", b"")
+    )
+    classify = runner("image-classification")
+    with pytest.raises(ValueError, match="not an image Pillow can read") as refused:
+        classify.run([base64.b64encode(broken).decode()], {})
+    assert classify.describe_failure(refused.value).kind == FailureKind.INPUT
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP", "JPEG"])
+def test_an_exif_block_that_cannot_be_read_leaves_the_picture_as_stored(runner, fmt):
+    """The pipeline turns an image as its EXIF says: a PNG's or WebP's EXIF that is no TIFF
+    data made it raise SyntaxError, a 500. The picture is read as stored (as a viewer
+    shows it), and an orientation that can be read still turns it."""
+    import io
+
+    from PIL import Image
+
+    def saved(exif: bytes) -> str:
+        written = io.BytesIO()
+        Image.new("RGB", (40, 30), (200, 10, 10)).save(written, fmt, exif=exif)
+        return base64.b64encode(written.getvalue()).decode()
+
+    classify = runner("image-classification")
+    [garbled] = classify.run([saved(b"garbage!garbage!")], {"top_k": 1})
+    [plain] = classify.run([base64.b64encode(png((200, 10, 10))).decode()], {"top_k": 1})
+    assert garbled[0]["label"] == plain[0]["label"]
+    turned = Image.new("RGB", (1, 1)).getexif()
+    turned[0x0112] = 6  # rotated 90 degrees
+    from rawserve.worker.images import decode_image
+
+    assert decode_image(saved(turned.tobytes())).size == (30, 40)
+
+
+def test_a_jpeg_of_a_great_many_scans_is_refused_before_it_is_decoded():
+    """Each scan of a progressive JPEG is a pass over the whole image: a 421 KB file of
+    20,000 (its smallest scan repeated) took 6 s to decode at 4000x4000."""
+    import io
+
+    from PIL import Image
+
+    from rawserve.worker.images import MAX_JPEG_SCANS, ImageRefused, decode_image
+
+    written = io.BytesIO()
+    Image.effect_noise((400, 300), 60).convert("RGB").save(written, "JPEG", progressive=True)
+    jpeg = written.getvalue()
+    assert decode_image(base64.b64encode(jpeg).decode()).size == (400, 300)
+    last = jpeg.rfind(b"\xff\xda")
+    repeated = jpeg[:-2] + jpeg[last:-2] * MAX_JPEG_SCANS + b"\xff\xd9"
+    with pytest.raises(ImageRefused, match=r"scans; at most 256 are read"):
+        decode_image(base64.b64encode(repeated).decode())
+
+
 def test_a_batch_of_images_holds_one_decoded_image_at_a_time(runner, monkeypatch):
     """A decoded image may take hundreds of megabytes (up to Pillow's 89 million pixels):
     each is decoded as the pipeline preprocesses it, never a whole batch of them at once

@@ -18,6 +18,13 @@ from typing import Any
 
 from rawserve.tasks.image_sizes import DRAFTED_FORMATS, IMAGE_FORMATS, shrink_factors
 
+# The most scans a JPEG is read with: each is a pass over the whole image (a photo's
+# progressive JPEG has about ten), and 20,000 of them, a smallest one repeated, made a 421
+# KB file of 4000x4000 take 6 s to decode (libjpeg-turbo's advice for untrusted files:
+# `djpeg -maxscans`). A start-of-scan marker cannot hide in the image data (a 0xFF there
+# is followed by 0x00 or a restart marker), so counting its bytes counts at least them.
+MAX_JPEG_SCANS = 256
+JPEG_START_OF_SCAN = b"\xff\xda"
 # The longest side, in shorter sides, of an image given to a processor that keeps the
 # aspect ratio: scaled to its 224 or so pixels on the shorter side, the image it builds
 # is this many times as long (a 1x1000 image took 3 s; 1x100000 took the worker down).
@@ -43,8 +50,17 @@ def decode_image(encoded: str, squashed: bool = True) -> Any:
         with warnings.catch_warnings():
             # Pillow only warns past its limit (and refuses past twice that): refuse both
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(base64.b64decode(encoded)), formats=IMAGE_FORMATS)
+            data = base64.b64decode(encoded)
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         width, height = image.size
+        if (
+            image.format in DRAFTED_FORMATS
+            and (scans := data.count(JPEG_START_OF_SCAN)) > MAX_JPEG_SCANS
+        ):
+            raise ImageRefused(
+                f"the JPEG holds {scans:,} scans; at most {MAX_JPEG_SCANS} are read (each is "
+                "a pass over the whole image)"
+            )
         if not squashed and max(width, height) > MAX_ASPECT * min(width, height):
             raise ImageRefused(
                 f"the image is {width}x{height} pixels; this model reads an image at most "
@@ -55,16 +71,31 @@ def decode_image(encoded: str, squashed: bool = True) -> Any:
             image.draft("RGB", (width // across, height // down))
         image.load()  # here, not lazily in the pipeline: a file cut short is the client's
         # (Pillow shrinks no palette, one-bit or 16-bit image)
-        return shrunk(image if image.mode == "RGB" else image.convert("RGB"), squashed)
+        return upright(shrunk(image if image.mode == "RGB" else image.convert("RGB"), squashed))
     except ImageRefused:
         raise
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
         raise ImageRefused(
             f"the image has more than {Image.MAX_IMAGE_PIXELS:,} pixels, the most read"
         ) from exc
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    # (Pillow raises SyntaxError for a broken PNG chunk: "broken PNG file")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
         formats = ", ".join(IMAGE_FORMATS)
         raise ImageRefused(f"the input is not an image Pillow can read ({formats})") from exc
+
+
+def upright(image: Any) -> Any:
+    """`image` turned as its EXIF orientation says, as the pipeline turns it (which then
+    finds no orientation left); an EXIF block that cannot be read (not TIFF data) is
+    dropped and the picture taken as stored, as viewers show it: the pipeline failed on
+    it with a 500."""
+    from PIL import ImageOps
+
+    try:
+        ImageOps.exif_transpose(image, in_place=True)  # (else it copies an upright one)
+    except (SyntaxError, ValueError, OSError, EOFError, IndexError, KeyError):
+        image.info.pop("exif", None)
+    return image
 
 
 def shrunk(image: Any, squashed: bool) -> Any:
