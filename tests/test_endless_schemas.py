@@ -1,9 +1,39 @@
-"""Which JSON schemas no answer of finite length satisfies (rawserve.worker.endless_schemas)."""
+"""Which JSON schemas a grammar cannot hold an answer to: those no answer of finite length
+satisfies, and those whose references nest too deep (rawserve.worker.endless_schemas)."""
+
+import re
 
 import pytest
 
+from rawserve.tasks.text_generation import TOOL_RESOURCE
 from rawserve.worker import endless_schemas
-from rawserve.worker.endless_schemas import endless_part
+from rawserve.worker.endless_schemas import MOST_NESTED_REFERENCES, schema_fault
+
+
+def endless_part(schema: object) -> str | None:
+    """The reference to the part the fault names ("#": the whole schema); None: none."""
+    fault = schema_fault(schema)
+    if fault is None:
+        return None
+    named = re.match(r'no answer can complete it: (?:"(.*?)" in )?the schema has no', fault.words)
+    assert named is not None, fault.words
+    return named[1] or "#"
+
+
+def chain(length: int, required: bool = True, last: object = None) -> dict:
+    """$defs d0 .. d{length-1}, each referring to the next (the last to `last`'s, or to
+    d0: a cycle)."""
+    parts = {
+        f"d{i}": {
+            "type": "object",
+            "properties": {"n": {"$ref": f"#/$defs/d{i + 1 if i + 1 < length else 'end'}"}},
+            **({"required": ["n"]} if required else {}),
+        }
+        for i in range(length)
+    }
+    parts["dend"] = last if last is not None else {"$ref": "#/$defs/d0"}
+    return {"$defs": parts, "$ref": "#/$defs/d0"}
+
 
 NODE = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
 
@@ -76,6 +106,34 @@ def held_by_each_other(b_type: object) -> dict:
             "#/$defs/a~1b",
         ),
         ({"$ref": "#top"}, None),
+        # a property required and held by the additional properties' or a pattern's schema
+        ({"type": "object", "required": ["x"], "additionalProperties": {"$ref": "#"}}, "#"),
+        (
+            {
+                "type": "object",
+                "required": ["x"],
+                "patternProperties": {"^x$": {"$ref": "#"}},
+                "additionalProperties": False,
+            },
+            "#",
+        ),
+        ({"type": "object", "required": ["y"], "patternProperties": {"^x$": {"$ref": "#"}}}, None),
+        # an older draft's fragment "$id" names a part: its "#" is still the whole schema's
+        (
+            {
+                "type": ["object", "null"],
+                "properties": {
+                    "child": {
+                        "$id": "#/properties/child",
+                        "type": "object",
+                        "properties": {"inner": {"$ref": "#"}},
+                        "required": ["inner"],
+                    }
+                },
+                "required": ["child"],
+            },
+            None,
+        ),
     ],
 )
 def test_a_part_whose_every_value_holds_another_of_itself_is_found(schema, endless):
@@ -85,29 +143,40 @@ def test_a_part_whose_every_value_holds_another_of_itself_is_found(schema, endle
 def test_a_reference_within_a_resource_is_to_that_resources_root():
     """A tool's parameters are a resource of their own (`$id`) inside the call's grammar:
     their "#/$defs/n" is theirs, not the whole grammar's."""
-    parameters = {"$id": "urn:x:tool:f", "$defs": {"n": NODE}, "type": "object"}
+    parameters = {"$id": TOOL_RESOURCE + "bad", "$defs": {"n": NODE}, "type": "object"}
     call = {"type": "object", "properties": {"arguments": parameters}, "required": ["arguments"]}
-    assert endless_part({"anyOf": [call, {"type": "integer"}]}) is None  # (n: never asked)
+    assert schema_fault({"anyOf": [call, {"type": "integer"}]}) is None  # (n: never asked)
     parameters = {**parameters, "properties": {"q": {"$ref": "#/$defs/n"}}, "required": ["q"]}
     call = {**call, "properties": {"arguments": parameters}}
-    assert endless_part({"anyOf": [call, {"type": "integer"}]}) == "#/$defs/n"
+    fault = schema_fault({"anyOf": [call, {"type": "integer"}]})
+    assert fault is not None  # named as the function's (several tools: which one)
+    assert "\"#/$defs/n\" in the parameters' schema of function 'bad' has no" in fault.words
 
 
 def test_a_schema_past_the_work_allowed_is_not_judged(monkeypatch):
     """A long chain of parts, each ending only through the next, judged in a pass a part:
     past the budget the judgement is left to llguidance's own bounds, never slow."""
-    chain = {
-        f"d{i}": {
-            "type": "object",
-            "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}},
-            "required": ["n"],
-        }
-        for i in range(100)
-    }
-    schema = {"$defs": {**chain, "d100": {"type": "integer"}}, "$ref": "#/$defs/d0"}
-    assert endless_part(schema) is None
-    del schema["$defs"]["d100"]  # (the last now refers nowhere: not judged, taken as ending)
-    schema["$defs"]["d99"]["properties"]["n"] = {"$ref": "#/$defs/d0"}
-    assert endless_part(schema) == "#/$defs/d0"
+    assert schema_fault(chain(100, last={"type": "integer"})) is None
+    assert endless_part(chain(100)) == "#/$defs/d0"  # (a cycle that never ends)
     monkeypatch.setattr(endless_schemas, "BUDGET", 50)
-    assert endless_part(schema) is None
+    assert schema_fault(chain(100)) is None
+
+
+@pytest.mark.parametrize("required", [True, False])
+def test_references_nested_past_what_llguidance_follows_are_refused(required):
+    """llguidance compiles a reference's target within its referrer's: a chain of 1,000
+    overflowed its stack and took the worker down (SIGSEGV), a cycle as long alike. A
+    chain or a cycle within the bound is judged as any other schema."""
+    most = MOST_NESTED_REFERENCES
+    ending = {"type": "integer"}
+    assert schema_fault(chain(most - 10, required, last=ending)) is None
+    for deep in (chain(most + 10, required, last=ending), chain(3000, required, last=ending)):
+        fault = schema_fault(deep)
+        assert fault is not None and "its references nest" in fault.words, fault
+    cycle = chain(most + 10, required)  # (its "dend" refers to the first: 11 more)
+    fault = schema_fault(cycle)
+    assert fault is not None and f"nest {most + 11:,} deep" in fault.words, fault
+    # many parts side by side, each referred to once from the root: not nested
+    wide = {"$defs": {f"d{i}": {"type": "integer"} for i in range(3 * most)}}
+    wide["properties"] = {f"p{i}": {"$ref": f"#/$defs/d{i}"} for i in range(3 * most)}
+    assert schema_fault(wide) is None

@@ -444,6 +444,10 @@ async def test_a_restart_stopped_while_loading_is_killed_and_started_again(
             os.kill(worker.process.pid, signal.SIGSTOP)
 
     executor._spawn = spawn_stopped_once
+    start_failed, causes = executor._start_failed, []
+    executor._start_failed = lambda worker, cause: (
+        causes.append(cause) or start_failed(worker, cause)
+    )
     executor.start()
     try:
         await asyncio.wait_for(executor.wait_ready(), 120)
@@ -460,6 +464,8 @@ async def test_a_restart_stopped_while_loading_is_killed_and_started_again(
         # its death is said as the server's own kill, not as the OOM killer's perhaps
         [death] = [line for line in said if f"process {stopped[0].pid} " in line]
         assert "was killed for hanging while loading" in death and "out of memory" not in death
+        # ... and so is its failed start, as five in a row would say it
+        assert causes == ["its worker process was killed for hanging while loading"], causes
     finally:
         await executor.shutdown(wait=False)
 

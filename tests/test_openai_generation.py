@@ -1123,6 +1123,17 @@ def test_a_schema_no_answer_can_complete_is_refused_before_a_stream_begins(serve
     error = refused.value.body
     assert error["param"] == "response_format", error
     assert "the schema has no value of finite length" in error["message"], error
+    # a chain of 1,000 references, each to the next: it took the worker down (SIGSEGV,
+    # llguidance's stack), a 500 twice then the input quarantined
+    parts = {
+        f"d{i}": {"type": "object", "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(1000)
+    }
+    deep = {"$defs": {**parts, "d1000": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}
+    asked = {"prompt": PROMPT, "response_format": schema, "max_tokens": 5}
+    status, body = servers["plain"].post_json(asked, "/v1/completions")
+    assert status == 422 and "its references nest 1,001 deep" in body["error"]["message"], body
 
 
 def test_a_tools_schema_a_grammar_cannot_follow_names_the_tools(more_servers):

@@ -32,6 +32,7 @@ from typing import Any
 
 from rawserve.api.routing import DocContext, Schema
 from rawserve.http.errors import BadRequest
+from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
 
 MAX_TOOLS = 128
 FUNCTION_NAME = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
@@ -160,7 +161,10 @@ class Tools:
         tester's `{"c` was "")."""
         names = self.callable()
         cut = cut_calls(text, names)  # (None: words, not calls)
-        if cut == [] and self.choice != "auto" and len(names) == 1:  # (before the name)
+        # before the name: a call for sure where it must call, or where what came can
+        # begin no words (`[`, `{"n`)
+        a_call = self.choice != "auto" or not WORDS_OPENING.startswith(text.strip())
+        if cut == [] and a_call and len(names) == 1:
             return self._called([{"name": names[0], "arguments": ""}])
         if cut or (cut is not None and self.choice != "auto"):
             return self._called(cut)
@@ -250,7 +254,7 @@ def call_schema(function: dict[str, Any]) -> Schema:
         # a resource of its own: a reference in it ("#/$defs/...", as pydantic writes
         # them) is to its own root still, not to the call's that holds it; an object where
         # it leaves its type out (it would hold nothing else: `null` would do)
-        arguments = {"$id": f"urn:rawserve:tool:{function['name']}", "type": "object", **arguments}
+        arguments = {"$id": TOOL_RESOURCE + function["name"], "type": "object", **arguments}
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": arguments},
@@ -262,7 +266,7 @@ def call_schema(function: dict[str, Any]) -> Schema:
 def formatted(answer_format: dict[str, Any]) -> Schema:
     """An answer that does not call: `{"content": ...}`, the content held to the format."""
     # a resource of its own, as a function's parameters are (its references to its root)
-    content = {"$id": "urn:rawserve:response-format", **answer_format}
+    content = {"$id": FORMAT_RESOURCE, **answer_format}
     return {**WORDS, "properties": {"content": content}}
 
 

@@ -978,7 +978,9 @@ class WorkerPool(PoolReports):
             )
         if behind is not None:  # it never started (see the module's docstring)
             self._run_again_whole(behind)
-        cause = worker.load_failure or f"its worker process {exit_words(process.exitcode)}"
+        killed_hung = worker.hung_loading and process.exitcode == -signal.SIGKILL
+        said = "was killed for hanging while loading" if killed_hung else None
+        cause = worker.load_failure or f"its worker process {said or exit_words(process.exitcode)}"
         gave_up = was_loading and self._start_failed(worker, cause)
         if worker.stopped and process.exitcode == -signal.SIGKILL:
             how = "was killed, stopped from outside"  # (by the server itself: no OOM hint)

@@ -1,22 +1,31 @@
-"""JSON schemas that no answer can complete: a part whose every value must hold another
-of itself (a required property, or a least number of items, that refers back to it),
-so that no JSON of finite length satisfies it.
+"""JSON schemas that a grammar cannot hold an answer to: one with a part whose every value
+must hold another of itself (a required property, or a least number of items, that refers
+back to it), so that no JSON of finite length satisfies it; and one whose references
+nest deeper than llguidance can follow.
 
-llguidance compiles such a schema and lets a model begin it; the fault shows only steps
+llguidance compiles the first kind and lets a model begin it; the fault shows only steps
 later, when its parser runs out of room ("a step of the grammar needs more work than
-allowed"), after a stream has sent its first tokens with a 200. Found here, before the
-first token, it is refused with its status, as any schema the grammar cannot use.
+allowed"), after a stream has sent its first tokens with a 200. The second kind took
+the worker down: llguidance compiles a reference's target within its referrer's, and a
+chain of 1,000 (a 90 KB schema) overflowed its stack (SIGSEGV; 600 compiled). Found
+here, before the first token, each is refused with its status.
 
 The parts that may be endless are those a `$ref` names (only a reference makes a schema
 infinite); each is judged as a context-free grammar's productive symbols are, from the
-ones seen to end upwards, until nothing more changes. What is not a local reference
+ones seen to end upwards, until nothing more changes. The nesting is bounded by the
+longest chain of references, a cycle counted as long as its parts are many (compiled in
+some order, each part of it may be within the others). What is not a local reference
 (`#...`, within the schema or the resource its nearest `$id` begins) is not judged.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
+
+from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
 
 Path = tuple[str | int, ...]  # where a part lies in the whole schema
 
@@ -28,19 +37,29 @@ DEFINITIONS = frozenset({"$defs", "definitions"})
 # the work the judgement may take (parts looked at): past it, the schema is not judged
 # (llguidance's own bounds still hold it); about a second at most
 BUDGET = 200_000
+# the longest chain of references followed: far past any model's (pydantic nests tens),
+# well short of the 1,000 that overflowed llguidance's stack
+MOST_NESTED_REFERENCES = 256
 
 
 class OverBudget(Exception):
     pass
 
 
-def endless_part(schema: Any) -> str | None:
-    """The reference (as the schema writes it, `"#"` for the whole) to a part of `schema`
-    that only an endless answer satisfies; None where each part can end, or where the
-    schema is beyond what is judged (too large, nested too deep)."""
+@dataclass(frozen=True)
+class Fault:
+    """What a schema's grammar cannot hold, in words a client can act on."""
+
+    words: str
+
+
+def schema_fault(schema: Any) -> Fault | None:
+    """What makes `schema` one a grammar cannot hold (an endless part, references nested
+    too deep); None where nothing does, or it is beyond what is judged."""
     try:
-        return Judgement(schema).endless()
-    except (OverBudget, RecursionError):
+        judgement = Judgement(schema)
+        return judgement.too_deep() or judgement.endless()
+    except OverBudget:
         return None
 
 
@@ -49,10 +68,12 @@ class Judgement:
         self.schema = schema
         self.targets: dict[int, Path] = {}  # each "$ref"-holding part's target, by its id
         self.written: dict[Path, str] = {}  # each target's reference as the schema writes it
+        self.resources: dict[Path, Any] = {}  # each target's resource's "$id" (None: none)
+        self.refers: dict[Path, list[Path]] = {(): []}  # the targets a part refers to
         self.left = BUDGET
-        self._find_references(schema, (), ())
+        self._find_references()
 
-    def endless(self) -> str | None:
+    def endless(self) -> Fault | None:
         ends = dict.fromkeys(self.written, False)
         parts = {target: part_at(self.schema, target) for target in self.written}
         changed = True
@@ -64,14 +85,37 @@ class Judgement:
         endless = [target for target, ended in ends.items() if not ended]
         if not endless:
             return None
-        return self.written[min(endless, key=len)]  # the outermost
+        target = min(endless, key=len)  # the outermost
+        return Fault(
+            f"no answer can complete it: {self.named(target)} has no value of finite length, "
+            "as each value of it must hold another (a required property, a least number of "
+            "items, or a $ref alone leads back to it)"
+        )
+
+    def too_deep(self) -> Fault | None:
+        deepest = longest_chain(self.refers)
+        if deepest <= MOST_NESTED_REFERENCES:
+            return None
+        return Fault(
+            f"its references nest {deepest:,} deep (a chain of $refs, each to a part that "
+            f"refers to the next), where at most {MOST_NESTED_REFERENCES} are followed"
+        )
+
+    def named(self, target: Path) -> str:
+        """The part at `target` as a client names it: its reference, and whose it is."""
+        reference, resource = self.written[target], self.resources.get(target)
+        if isinstance(resource, str) and resource.startswith(TOOL_RESOURCE):
+            whose = f"the parameters' schema of function {resource.removeprefix(TOOL_RESOURCE)!r}"
+        elif resource == FORMAT_RESOURCE:
+            whose = "the response_format's schema"
+        else:
+            whose = "the schema"
+        return whose if reference == "#" else f'"{reference}" in {whose}'
 
     def can_end(self, part: Any, ends: dict[Path, bool]) -> bool:
         """Whether some JSON of finite length satisfies `part`, the references' targets
         judged as `ends` says (not yet known to end: taken as endless)."""
-        self.left -= 1
-        if self.left < 0:
-            raise OverBudget
+        self._spend()
         if not isinstance(part, dict):
             return True  # (true, false: no reference in them)
         target = self.targets.get(id(part))
@@ -98,11 +142,14 @@ class Judgement:
 
     def _type_can_end(self, kind: Any, part: dict[str, Any], ends: dict[Path, bool]) -> bool:
         if kind == "object":
-            listed = part.get("properties")
-            listed = listed if isinstance(listed, dict) else {}
             required = part.get("required")
             required = required if isinstance(required, list) else []
-            return all(self.can_end(listed.get(name, True), ends) for name in required)
+            return all(
+                self.can_end(each, ends)
+                for name in required
+                if isinstance(name, str)
+                for each in property_schemas(part, name)
+            )
         if kind == "array":
             least = part.get("minItems", 0)
             if not isinstance(least, int) or least <= 0:
@@ -116,39 +163,129 @@ class Judgement:
             return all(self.can_end(each, ends) for each in needed)
         return True
 
-    def _find_references(self, part: Any, path: Path, resource: Path) -> None:
-        """Each local reference under `part` (at `path`, in the resource at `resource`),
-        and under the parts they lead to: those an answer may reach (a part only named
-        in "$defs" is none of them)."""
+    def _find_references(self) -> None:
+        """Each local reference an answer may reach, from the root through the parts
+        they lead to (a part only named in "$defs" is none of them), with which targets
+        each part (the root, or a target) refers to directly. A walk of its own, not
+        Python's recursion: a chain of references runs thousands deep."""
+        # (a part, where it is, its resource's path and "$id", the root or target it is in)
+        waiting: list[tuple[Any, Path, Path, Any, Path]] = [(self.schema, (), (), None, ())]
+        while waiting:
+            part, path, resource, resource_id, within_part = waiting.pop()
+            self._spend()
+            if isinstance(part, list):
+                for index, each in enumerate(part):
+                    waiting.append((each, (*path, index), resource, resource_id, within_part))
+                continue
+            if not isinstance(part, dict):
+                continue
+            if begins_resource(part):
+                resource, resource_id = path, part["$id"]
+            reference = part.get("$ref")
+            if isinstance(reference, str) and reference.startswith("#"):
+                target = within(self.schema, resource, reference)
+                if target is not None:
+                    self.targets[id(part)] = target
+                    self.refers[within_part].append(target)
+                    if target not in self.written:
+                        self.written[target] = reference
+                        self.refers.setdefault(target, [])
+                        begins, begins_id = resource_of(self.schema, target)
+                        self.resources[target] = begins_id
+                        at = part_at(self.schema, target)
+                        waiting.append((at, target, begins, begins_id, target))
+            for key, value in part.items():
+                if key in DEFINITIONS:
+                    continue
+                if key in NAMED and isinstance(value, dict):  # (a property may be "enum")
+                    for name, each in value.items():
+                        waiting.append(
+                            (each, (*path, key, name), resource, resource_id, within_part)
+                        )
+                elif key not in DATA:
+                    waiting.append((value, (*path, key), resource, resource_id, within_part))
+
+    def _spend(self) -> None:
         self.left -= 1
         if self.left < 0:
             raise OverBudget
-        if isinstance(part, list):
-            for index, each in enumerate(part):
-                self._find_references(each, (*path, index), resource)
-            return
-        if not isinstance(part, dict):
-            return
-        if isinstance(part.get("$id"), str):
-            resource = path
-        reference = part.get("$ref")
-        if isinstance(reference, str) and reference.startswith("#"):
-            target = within(self.schema, resource, reference)
-            if target is not None:
-                self.targets[id(part)] = target
-                if target not in self.written:
-                    self.written[target] = reference
-                    self._find_references(
-                        part_at(self.schema, target), target, resource_of(self.schema, target)
-                    )
-        for key, value in part.items():
-            if key in DEFINITIONS:
-                continue
-            if key in NAMED and isinstance(value, dict):  # (a property may be named "enum")
-                for name, each in value.items():
-                    self._find_references(each, (*path, key, name), resource)
-            elif key not in DATA:
-                self._find_references(value, (*path, key), resource)
+
+
+def property_schemas(part: dict[str, Any], name: str) -> list[Any]:
+    """The schemas a property `name` of an object `part` is held to: its own, else those
+    of the patterns it matches, else the additional properties' (a name no pattern can be
+    read for is not judged)."""
+    listed = part.get("properties")
+    if isinstance(listed, dict) and name in listed:
+        return [listed[name]]
+    patterns = part.get("patternProperties")
+    matched = []
+    if isinstance(patterns, dict):
+        for pattern, each in patterns.items():
+            try:
+                if re.search(pattern, name):
+                    matched.append(each)
+            except (re.error, TypeError):  # (a pattern Python does not read: not judged)
+                return []
+    if matched:
+        return matched
+    extra = part.get("additionalProperties", True)
+    return [extra] if isinstance(extra, dict) else []
+
+
+def longest_chain(refers: dict[Path, list[Path]]) -> int:
+    """The most references in a chain from the root (`()`) through `refers`, each part of
+    a cycle counted (its parts, compiled in some order, may each be within the others).
+    Kosaraju's two passes find the cycles, in an order that puts each after those it is
+    reached from; then the longest chain is summed along it."""
+    order: list[Path] = []
+    seen: set[Path] = {()}
+    stack: list[tuple[Path, int]] = [((), 0)]
+    while stack:  # the first pass: the parts by when their walk ended
+        node, next_edge = stack.pop()
+        edges = refers.get(node, [])
+        if next_edge < len(edges):
+            stack.append((node, next_edge + 1))
+            if (target := edges[next_edge]) not in seen:
+                seen.add(target)
+                stack.append((target, 0))
+        else:
+            order.append(node)
+    referred: dict[Path, list[Path]] = {node: [] for node in seen}
+    for node in seen:
+        for target in refers.get(node, []):
+            referred[target].append(node)
+    cycle_of: dict[Path, int] = {}
+    sizes: list[int] = []
+    for start in reversed(order):  # the second pass, on the references reversed
+        if start in cycle_of:
+            continue
+        cycle_of[start] = len(sizes)
+        members, pending = 1, [start]
+        while pending:
+            for source in referred[pending.pop()]:
+                if source not in cycle_of:
+                    cycle_of[source] = len(sizes)
+                    members += 1
+                    pending.append(source)
+        sizes.append(members)
+    # the cycles come in an order where each comes after those that refer to it
+    longest = [0] * len(sizes)
+    for node in sorted(seen, key=cycle_of.__getitem__):
+        here = cycle_of[node]
+        longest[here] = max(longest[here], sizes[here])
+        for target in refers.get(node, []):
+            there = cycle_of[target]
+            if there != here:
+                longest[there] = max(longest[there], longest[here] + sizes[there])
+    return max(longest) - 1  # (the root is no reference)
+
+
+def begins_resource(part: dict[str, Any]) -> bool:
+    """Whether `part` begins a resource of its own: an `$id` other than a fragment (an
+    older draft's `"$id": "#name"` names a part, its base unchanged)."""
+    identifier = part.get("$id")
+    return isinstance(identifier, str) and not identifier.startswith("#")
 
 
 def within(schema: Any, resource: Path, reference: str) -> Path | None:
@@ -170,15 +307,19 @@ def within(schema: Any, resource: Path, reference: str) -> Path | None:
     return path
 
 
-def resource_of(schema: Any, path: Path) -> Path:
-    """Where the resource holding the part at `path` begins: its nearest "$id"."""
+def resource_of(schema: Any, path: Path) -> tuple[Path, Any]:
+    """Where the resource holding the part at `path` begins (its nearest `$id`), and that
+    `$id` (None: the whole schema's, which has none)."""
     begins: Path = ()
+    identifier = None
     part = schema
+    if isinstance(part, dict) and begins_resource(part):
+        identifier = part["$id"]
     for depth, step in enumerate(path):
         part = part[step]
-        if isinstance(part, dict) and isinstance(part.get("$id"), str):
-            begins = path[: depth + 1]
-    return begins
+        if isinstance(part, dict) and begins_resource(part):
+            begins, identifier = path[: depth + 1], part["$id"]
+    return begins, identifier
 
 
 def part_at(schema: Any, path: Path) -> Any:

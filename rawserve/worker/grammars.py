@@ -46,7 +46,7 @@ from rawserve.tasks.text_generation import (
     REASONING_END,
     REASONING_START,
 )
-from rawserve.worker.endless_schemas import endless_part
+from rawserve.worker.endless_schemas import schema_fault
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # (declared in its stubs only)
@@ -337,9 +337,10 @@ class Grammars:
             text = grammar_text(grammar)
         except ValueError as exc:  # a schema it cannot read at all
             raise ValueError(GRAMMAR_REFUSED + in_words(str(exc))) from None
-        # (llguidance's fault would show steps later, after a stream's first tokens)
-        if grammar["type"] == "json" and (endless := endless_part(grammar["value"])):
-            raise ValueError(GRAMMAR_REFUSED + endless_words(endless))
+        # (llguidance's fault would show steps later, after a stream's first tokens, or
+        # take the worker down)
+        if grammar["type"] == "json" and (faulty := schema_fault(grammar["value"])):
+            raise ValueError(GRAMMAR_REFUSED + faulty.words)
         pristine, opening = self._matcher(self._held(text, grammar))
         # a format it does not know (or uniqueItems), alone, is an annotation (else the
         # first fault is told)
@@ -442,15 +443,6 @@ def fault(matcher: llguidance.LLMatcher) -> str:
     """A matcher's error, on one line (llguidance's message points at the fault in lines),
     in a client's words where it has them."""
     return in_words(" ".join(matcher.get_error().replace("<non-verbose/>", "").split()))
-
-
-def endless_words(reference: str) -> str:
-    whole = "the schema" if reference == "#" else f'the schema\'s "{reference}"'
-    return (
-        f"no answer can complete it: {whole} has no value of finite length, as each value "
-        "of it must hold another (a required property, a least number of items, or a "
-        "$ref alone leads back to it)"
-    )
 
 
 def in_words(message: str) -> str:
