@@ -17,7 +17,12 @@ from rawserve.tasks.checks import LABEL_SCORES, BlankInput, checker, int_range, 
 from rawserve.tasks.image_sizes import image_tokens
 from rawserve.tasks.rules import Task
 
-DATA_URL_START = "data:image/"
+DATA_URL_START = "data:"
+# the types a data URL of an image may name: an image's, or none known (a browser's
+# FileReader names a file of a type it does not know `application/octet-stream`); the
+# bytes are Pillow's to read either way
+IMAGE_DATA_TYPES = ("image/",)
+UNTYPED_DATA = ("", "application/octet-stream")
 
 
 @checker({"type": "string", "minLength": 1, "contentEncoding": "base64"})
@@ -29,6 +34,9 @@ def image_base64(value: Any) -> str:
         head, comma, payload = value.partition(",")
         head = head.lower()
         if comma and head.startswith(DATA_URL_START) and head.endswith(";base64"):
+            kind = head.removeprefix(DATA_URL_START).removesuffix(";base64").split(";")[0]
+            if not kind.startswith(IMAGE_DATA_TYPES) and kind not in UNTYPED_DATA:
+                raise ValueError(f"a data URL of {kind} is no image: send an image's")
             value = payload
         elif value.strip().lower().startswith(("http://", "https://")):
             raise ValueError("an image URL is never fetched: send the image, base64-encoded")
