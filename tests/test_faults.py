@@ -301,18 +301,22 @@ async def test_a_batch_whose_worker_is_stopped_from_outside_runs_again(faulty_ex
     It is killed as an operator's kill -9 is, and its batch runs again."""
     worker = faulty_executor.workers[0]
     faulty_executor.metrics = dropped = DropCount()
-    for _ in range(2):  # (twice: no quarantine)
-        pid = worker.pid
+    for _ in range(2):  # (twice, each stopped again as it runs again: no quarantine)
         submitted = asyncio.ensure_future(faulty_executor.submit(["probe"], {"sleep": 0.5}))
-        while worker.state is not WorkerState.BUSY:
-            await asyncio.sleep(0.01)
-        os.kill(pid, signal.SIGSTOP)
-        with caplog.at_level(logging.ERROR, logger="rawserve.executor"):
-            result = await asyncio.wait_for(submitted, 60)
-        assert result.outputs[0]["input"] == "probe" and worker.pid != pid
+        for _ in range(2):
+            pid = worker.pid
+            while worker.state is not WorkerState.BUSY or worker.pid != pid:
+                await asyncio.sleep(0.01)
+                pid = worker.pid
+            os.kill(pid, signal.SIGSTOP)
+            with caplog.at_level(logging.ERROR, logger="rawserve.executor"):
+                while worker.pid == pid:
+                    await asyncio.sleep(0.01)
+        result = await asyncio.wait_for(submitted, 60)
+        assert result.outputs[0]["input"] == "probe"
         await idle(faulty_executor)
     said = [r.getMessage() for r in caplog.records]
-    assert sum("is stopped (SIGSTOP, a debugger)" in line for line in said) == 2, said
+    assert sum("is stopped (SIGSTOP, a debugger)" in line for line in said) == 4, said
     assert any("was killed, stopped from outside" in line for line in said), said
     assert dropped.poison == 0
 

@@ -946,7 +946,9 @@ class WorkerPool(PoolReports):
             return
         job = self._take_job(worker)
         behind = self._take_queued(worker)
-        held = None if job is None else Held(job.streamed, job.poison_key)
+        # (a worker stopped from outside was no input's doing: no strike toward quarantine)
+        strikes = not worker.stopped
+        held = None if job is None else Held(job.streamed, job.poison_key if strikes else None)
         sequences = worker.running.take_all()  # a continuous worker ran them all at once
         decision = self.supervisor.exited(
             worker.index,
@@ -966,9 +968,8 @@ class WorkerPool(PoolReports):
             elif worker.hung and not (lost.abandoned or lost.cancelled):
                 self._after_hang(worker, lost, len(sequences))
             else:
-                self._carry_out(
-                    worker, lost, self.supervisor.lost(Held(lost.streamed, lost.poison_key))
-                )
+                key = lost.poison_key if strikes else None
+                self._carry_out(worker, lost, self.supervisor.lost(Held(lost.streamed, key)))
         if together:
             log.warning(
                 "worker %s: its %d sequences run again side by side once it is back (alone, "

@@ -20,10 +20,11 @@ from rawserve.tasks.image_sizes import DRAFTED_FORMATS, IMAGE_FORMATS, shrink_fa
 
 # The most scans a JPEG is read with: each is a pass over the whole image (a photo's
 # progressive JPEG has about ten), and 20,000 of them, a smallest one repeated, made a 421
-# KB file of 4000x4000 take 6 s to decode (libjpeg-turbo's advice for untrusted files:
-# `djpeg -maxscans`). A start-of-scan marker cannot hide in the image data (a 0xFF there
-# is followed by 0x00 or a restart marker), so counting its bytes counts at least them.
-MAX_JPEG_SCANS = 256
+# KB file of 4000x4000 take 6 s to decode; 256 still took ten times a photo's decode
+# (libjpeg-turbo's advice for untrusted files: `djpeg -maxscans`). A start-of-scan marker
+# cannot hide in the image data (a 0xFF there is followed by 0x00 or a restart marker),
+# so counting its bytes counts at least them.
+MAX_JPEG_SCANS = 64
 JPEG_START_OF_SCAN = b"\xff\xda"
 # The longest side, in shorter sides, of an image given to a processor that keeps the
 # aspect ratio: scaled to its 224 or so pixels on the shorter side, the image it builds
