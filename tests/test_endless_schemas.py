@@ -7,7 +7,7 @@ import pytest
 
 from rawserve.tasks.text_generation import TOOL_RESOURCE
 from rawserve.worker import endless_schemas
-from rawserve.worker.endless_schemas import MOST_NESTED_REFERENCES, schema_fault
+from rawserve.worker.endless_schemas import MOST_NESTED_LEVELS, schema_fault
 
 
 def endless_part(schema: object) -> str | None:
@@ -153,29 +153,48 @@ def test_a_reference_within_a_resource_is_to_that_resources_root():
     assert "\"#/$defs/n\" in the parameters' schema of function 'bad' has no" in fault.words
 
 
-def test_a_schema_past_the_work_allowed_is_not_judged(monkeypatch):
-    """A long chain of parts, each ending only through the next, judged in a pass a part:
-    past the budget the judgement is left to llguidance's own bounds, never slow."""
+def test_a_schema_past_the_work_allowed_is_refused_as_too_large_to_judge(monkeypatch):
+    """A long chain of parts, each ending only through the next, judged in a pass a part.
+    Past the budget the schema was left unjudged, to llguidance: a deep chain padded with
+    200,000 zeros under a keyword of the client's own took the worker down. Only JSON
+    Schema's keywords are walked, and what is past the budget is refused."""
     assert schema_fault(chain(100, last={"type": "integer"})) is None
     assert endless_part(chain(100)) == "#/$defs/d0"  # (a cycle that never ends)
+    padded = {**chain(1000, last={"type": "integer"}), "x-pad": [0] * 200_000}
+    fault = schema_fault(padded)
+    assert fault is not None and "nest 2,00" in fault.words, fault
     monkeypatch.setattr(endless_schemas, "BUDGET", 50)
-    assert schema_fault(chain(100)) is None
+    fault = schema_fault(chain(100))
+    assert fault is not None and fault.words.startswith("the schema is too large to judge")
+
+
+def wrapped(schema: dict, levels: int) -> dict:
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
 
 
 @pytest.mark.parametrize("required", [True, False])
 def test_references_nested_past_what_llguidance_follows_are_refused(required):
     """llguidance compiles a reference's target within its referrer's: a chain of 1,000
-    overflowed its stack and took the worker down (SIGSEGV), a cycle as long alike. A
-    chain or a cycle within the bound is judged as any other schema."""
-    most = MOST_NESTED_REFERENCES
+    (two levels each) overflowed its stack and took the worker down (SIGSEGV), and so did
+    250 of twenty levels each, or a cycle as long. Within the bound a chain or a cycle is
+    judged as any other schema."""
+    most = MOST_NESTED_LEVELS
     ending = {"type": "integer"}
-    assert schema_fault(chain(most - 10, required, last=ending)) is None
-    for deep in (chain(most + 10, required, last=ending), chain(3000, required, last=ending)):
+    assert schema_fault(chain(most // 2 - 10, required, last=ending)) is None
+    for deep in (chain(most // 2 + 10, required, last=ending), chain(3000, required, ending)):
         fault = schema_fault(deep)
-        assert fault is not None and "its references nest" in fault.words, fault
-    cycle = chain(most + 10, required)  # (its "dend" refers to the first: 11 more)
-    fault = schema_fault(cycle)
-    assert fault is not None and f"nest {most + 11:,} deep" in fault.words, fault
+        assert fault is not None and "its subschemas nest" in fault.words, fault
+    fault = schema_fault(chain(most // 2 + 10, required))  # (a cycle: its last to its first)
+    assert fault is not None and "its subschemas nest" in fault.words, fault
+    # fewer references, each part deeper (the levels of each part counted)
+    parts = {f"d{i}": wrapped({"$ref": f"#/$defs/d{i + 1}"}, 20) for i in range(30)}
+    deeper = {"$defs": {**parts, "d30": ending}, "$ref": "#/$defs/d0"}
+    fault = schema_fault(deeper)
+    assert fault is not None and "its subschemas nest" in fault.words, fault
+    parts = {f"d{i}": wrapped({"$ref": f"#/$defs/d{i + 1}"}, 5) for i in range(30)}
+    assert schema_fault({"$defs": {**parts, "d30": ending}, "$ref": "#/$defs/d0"}) is None
     # many parts side by side, each referred to once from the root: not nested
     wide = {"$defs": {f"d{i}": {"type": "integer"} for i in range(3 * most)}}
     wide["properties"] = {f"p{i}": {"$ref": f"#/$defs/d{i}"} for i in range(3 * most)}

@@ -1133,7 +1133,7 @@ def test_a_schema_no_answer_can_complete_is_refused_before_a_stream_begins(serve
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}
     asked = {"prompt": PROMPT, "response_format": schema, "max_tokens": 5}
     status, body = servers["plain"].post_json(asked, "/v1/completions")
-    assert status == 422 and "its references nest 1,001 deep" in body["error"]["message"], body
+    assert status == 422 and "its subschemas nest 2,002 levels" in body["error"]["message"], body
 
 
 def test_a_tools_schema_a_grammar_cannot_follow_names_the_tools(more_servers):

@@ -29,17 +29,36 @@ from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
 
 Path = tuple[str | int, ...]  # where a part lies in the whole schema
 
-# the keywords whose values are data, not schemas: a "$ref" among them is no reference
-DATA = frozenset({"const", "enum", "default", "examples"})
-# the keywords whose values are schemas by name; of them, those reached by reference only
+# The keywords whose values are schemas, as JSON Schema has them: one, a list of them, or
+# them by name. Only these are walked (a client's own keyword holds data: 200,000 zeros
+# under one spent the judgement's budget, and a chain of references went unjudged); the
+# parts under "$defs" are reached by reference alone.
+ONE = frozenset(
+    {
+        "items",
+        "additionalItems",
+        "additionalProperties",
+        "contains",
+        "if",
+        "then",
+        "else",
+        "not",
+        "propertyNames",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    }
+)
+LISTED = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
 NAMED = frozenset({"properties", "patternProperties", "dependentSchemas"})
-DEFINITIONS = frozenset({"$defs", "definitions"})
-# the work the judgement may take (parts looked at): past it, the schema is not judged
-# (llguidance's own bounds still hold it); about a second at most
+# the work the judgement may take (parts looked at), about a second at most: a schema
+# past it is refused, as too large to judge (not judged, a deep one took the worker down)
 BUDGET = 200_000
-# the longest chain of references followed: far past any model's (pydantic nests tens),
-# well short of the 1,000 that overflowed llguidance's stack
-MOST_NESTED_REFERENCES = 256
+# The most levels of subschemas followed through references, each part's own levels
+# summed along a chain of them, a cycle's parts all counted (compiled in some order, each
+# may be within the others): pydantic's nest tens; llguidance compiles a reference's
+# target within its referrer's, and overflowed its stack (SIGSEGV) at 1,000 references of
+# two levels each, and at 250 of twenty (600 of two, 120 of eleven compiled).
+MOST_NESTED_LEVELS = 512
 
 
 class OverBudget(Exception):
@@ -55,12 +74,15 @@ class Fault:
 
 def schema_fault(schema: Any) -> Fault | None:
     """What makes `schema` one a grammar cannot hold (an endless part, references nested
-    too deep); None where nothing does, or it is beyond what is judged."""
+    too deep, too much to judge); None where nothing does."""
     try:
         judgement = Judgement(schema)
         return judgement.too_deep() or judgement.endless()
     except OverBudget:
-        return None
+        return Fault(
+            f"the schema is too large to judge: its references reach more than {BUDGET:,} "
+            "parts to look at"
+        )
 
 
 class Judgement:
@@ -70,6 +92,7 @@ class Judgement:
         self.written: dict[Path, str] = {}  # each target's reference as the schema writes it
         self.resources: dict[Path, Any] = {}  # each target's resource's "$id" (None: none)
         self.refers: dict[Path, list[Path]] = {(): []}  # the targets a part refers to
+        self.levels: dict[Path, int] = {(): 1}  # ... and its own levels of subschemas
         self.left = BUDGET
         self._find_references()
 
@@ -93,12 +116,13 @@ class Judgement:
         )
 
     def too_deep(self) -> Fault | None:
-        deepest = longest_chain(self.refers)
-        if deepest <= MOST_NESTED_REFERENCES:
+        deepest = longest_chain(self.refers, self.levels)
+        if deepest <= MOST_NESTED_LEVELS:
             return None
         return Fault(
-            f"its references nest {deepest:,} deep (a chain of $refs, each to a part that "
-            f"refers to the next), where at most {MOST_NESTED_REFERENCES} are followed"
+            f"its subschemas nest {deepest:,} levels deep through its references (a chain "
+            f"of $refs, each within the part before), where at most {MOST_NESTED_LEVELS} "
+            "are followed"
         )
 
     def named(self, target: Path) -> str:
@@ -166,19 +190,17 @@ class Judgement:
     def _find_references(self) -> None:
         """Each local reference an answer may reach, from the root through the parts
         they lead to (a part only named in "$defs" is none of them), with which targets
-        each part (the root, or a target) refers to directly. A walk of its own, not
-        Python's recursion: a chain of references runs thousands deep."""
-        # (a part, where it is, its resource's path and "$id", the root or target it is in)
-        waiting: list[tuple[Any, Path, Path, Any, Path]] = [(self.schema, (), (), None, ())]
+        each part (the root, or a target) refers to directly, and its levels. A walk of
+        its own, not Python's recursion: a chain of references runs thousands deep."""
+        # (a part, where it is, its level within the root or target it is in, that root
+        # or target, and its resource's path and "$id")
+        waiting: list[tuple[Any, Path, int, Path, Path, Any]] = [(self.schema, (), 0, (), (), None)]
         while waiting:
-            part, path, resource, resource_id, within_part = waiting.pop()
+            part, path, level, node, resource, resource_id = waiting.pop()
             self._spend()
-            if isinstance(part, list):
-                for index, each in enumerate(part):
-                    waiting.append((each, (*path, index), resource, resource_id, within_part))
-                continue
             if not isinstance(part, dict):
                 continue
+            self.levels[node] = max(self.levels[node], level + 1)
             if begins_resource(part):
                 resource, resource_id = path, part["$id"]
             reference = part.get("$ref")
@@ -186,24 +208,26 @@ class Judgement:
                 target = within(self.schema, resource, reference)
                 if target is not None:
                     self.targets[id(part)] = target
-                    self.refers[within_part].append(target)
+                    self.refers[node].append(target)
                     if target not in self.written:
                         self.written[target] = reference
-                        self.refers.setdefault(target, [])
+                        self.refers[target], self.levels[target] = [], 1
                         begins, begins_id = resource_of(self.schema, target)
                         self.resources[target] = begins_id
                         at = part_at(self.schema, target)
-                        waiting.append((at, target, begins, begins_id, target))
+                        waiting.append((at, target, 0, target, begins, begins_id))
+            below = level + 1
             for key, value in part.items():
-                if key in DEFINITIONS:
-                    continue
-                if key in NAMED and isinstance(value, dict):  # (a property may be "enum")
+                if key in ONE and isinstance(value, dict):
+                    waiting.append((value, (*path, key), below, node, resource, resource_id))
+                elif key in LISTED and isinstance(value, list):
+                    for index, each in enumerate(value):
+                        at_path = (*path, key, index)
+                        waiting.append((each, at_path, below, node, resource, resource_id))
+                elif key in NAMED and isinstance(value, dict):
                     for name, each in value.items():
-                        waiting.append(
-                            (each, (*path, key, name), resource, resource_id, within_part)
-                        )
-                elif key not in DATA:
-                    waiting.append((value, (*path, key), resource, resource_id, within_part))
+                        at_path = (*path, key, name)
+                        waiting.append((each, at_path, below, node, resource, resource_id))
 
     def _spend(self) -> None:
         self.left -= 1
@@ -233,11 +257,12 @@ def property_schemas(part: dict[str, Any], name: str) -> list[Any]:
     return [extra] if isinstance(extra, dict) else []
 
 
-def longest_chain(refers: dict[Path, list[Path]]) -> int:
-    """The most references in a chain from the root (`()`) through `refers`, each part of
-    a cycle counted (its parts, compiled in some order, may each be within the others).
-    Kosaraju's two passes find the cycles, in an order that puts each after those it is
-    reached from; then the longest chain is summed along it."""
+def longest_chain(refers: dict[Path, list[Path]], levels: dict[Path, int]) -> int:
+    """The most levels in a chain of references from the root (`()`) through `refers`,
+    each part's `levels` summed, each part of a cycle counted (its parts, compiled in some
+    order, may each be within the others). Kosaraju's two passes find the cycles, in an
+    order that puts each after those it is reached from; then the chain is summed along
+    it."""
     order: list[Path] = []
     seen: set[Path] = {()}
     stack: list[tuple[Path, int]] = [((), 0)]
@@ -261,12 +286,12 @@ def longest_chain(refers: dict[Path, list[Path]]) -> int:
         if start in cycle_of:
             continue
         cycle_of[start] = len(sizes)
-        members, pending = 1, [start]
+        members, pending = levels[start], [start]
         while pending:
             for source in referred[pending.pop()]:
                 if source not in cycle_of:
                     cycle_of[source] = len(sizes)
-                    members += 1
+                    members += levels[source]
                     pending.append(source)
         sizes.append(members)
     # the cycles come in an order where each comes after those that refer to it
@@ -278,7 +303,7 @@ def longest_chain(refers: dict[Path, list[Path]]) -> int:
             there = cycle_of[target]
             if there != here:
                 longest[there] = max(longest[there], longest[here] + sizes[there])
-    return max(longest) - 1  # (the root is no reference)
+    return max(longest)
 
 
 def begins_resource(part: dict[str, Any]) -> bool:
