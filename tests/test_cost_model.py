@@ -184,6 +184,25 @@ def test_the_speed_is_trusted_from_the_second_call_measured():
     assert model.trusted
 
 
+def test_before_the_parts_are_told_apart_no_call_is_predicted_past_the_largest_measured():
+    """With one short call measured (a probe), all its time was taken per token: the first
+    burst's batches of 600 tokens were each predicted seconds long, and their clients told
+    by Retry-After to come back in 25-45 s to a queue that emptied in 50 ms (a tester).
+    A prediction is capped as the queue's drain already was."""
+    model = CostModel()
+    model.observe(8, 0.004)
+    model.observe(8, 0.004)
+    assert not model.fitted
+    assert model.predict(600, 4) == pytest.approx(0.004)
+    assert model.drain_seconds_of(4, 600, BATCH) == pytest.approx(0.004)
+    core = SchedulerCore(max_queue=8, max_batch_size=BATCH, cost_model=model)
+    core.admit([core.new_item(text(150), {}, 30.0, 0.0) for _ in range(4)], now=0.0)
+    assert len(core.decide(now=0.0, free_workers=1).batches) == 1  # in flight: its end
+    assert core.retry_after(now=0.0) < 2.0
+    model.observe(600, 0.05, items=4)  # a second size: the parts are told apart
+    assert model.fitted and model.predict(1200, 8) > model.predict(600, 4)
+
+
 def test_before_any_measurement_everything_is_admitted():
     core = SchedulerCore(max_queue=10_000, max_batch_size=BATCH)
     items = [core.new_item(text(TEXT_TOKENS), {}, 0.001, 0.0) for _ in range(5000)]

@@ -1871,10 +1871,13 @@ def test_cost_model_fits_a_fixed_cost_and_a_cost_per_token():
     assert model.drain_seconds([100] * 64, 32, workers=2) == pytest.approx(0.005 + 0.32)
 
 
-def test_cost_model_with_one_size_measured_is_proportional():
+def test_cost_model_with_one_size_measured_is_proportional_up_to_it():
+    """From one size alone a call's fixed cost cannot be told from a cost a token: past
+    the largest measured, a call is taken to cost no more than it (test_cost_model)."""
     model = CostModel()
     model.observe(200, 0.02)
-    assert model.predict(400) == pytest.approx(0.04)
+    assert model.predict(100) == pytest.approx(0.01)
+    assert model.predict(400) == pytest.approx(0.02)
 
 
 @dataclass

@@ -289,7 +289,17 @@ class CostModel:
 
     def predict(self, cost: int, items: float = 1) -> float | None:
         """Seconds of one model call of `items` items and this padded cost, or None
-        before any measurement."""
+        before any measurement. Before the parts are told apart, no call is taken to cost
+        more than the largest measured, as `drain_seconds_of` takes none (with one short
+        call measured, the first burst's batches were each predicted seconds long, and
+        their clients told by Retry-After to come back in 25-45 s to a queue that emptied
+        in 50 ms)."""
+        if not self._fitted:
+            cost = min(cost, max(self.largest, 1))
+        return self.extrapolate(cost, items)
+
+    def extrapolate(self, cost: int, items: float = 1) -> float | None:
+        """`predict`, past the largest call measured too."""
         if not self.measured:
             return None
         return self.fixed + self.per_item * items + self.per_token * cost

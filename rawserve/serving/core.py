@@ -1201,6 +1201,10 @@ class SchedulerCore:
         # at most OUTLIER_FACTOR times the time predicted of what it ran (of the tokens a
         # generation made: a full answer taken to be short is no freak)
         expected = flight.predicted if cost == flight.cost else self.cost_model.predict(cost)
+        if not self.cost_model.fitted:  # (a prediction capped at the largest call measured:
+            # a larger call's own time, clamped only as far as its tokens could take it,
+            # is what teaches the parts apart)
+            expected = self.cost_model.extrapolate(cost, flight.items)
         seconds = min(ran, OUTLIER_FACTOR * expected) if expected else ran
         self.cost_model.observe(cost, seconds, tokens, flight.items)
         if ran > flight.predicted and self._listed and now >= self._risk_judged + RISK_INTERVAL:
