@@ -979,15 +979,11 @@ class WorkerPool(PoolReports):
             )
         if behind is not None:  # it never started (see the module's docstring)
             self._run_again_whole(behind)
-        killed_hung = worker.hung_loading and process.exitcode == -signal.SIGKILL
-        said = "was killed for hanging while loading" if killed_hung else None
-        cause = worker.load_failure or f"its worker process {said or exit_words(process.exitcode)}"
+        ours = server_kill(worker, process.exitcode, was_loading)
+        cause = worker.load_failure or f"its worker process {ours or exit_words(process.exitcode)}"
         gave_up = was_loading and self._start_failed(worker, cause)
-        if worker.stopped and process.exitcode == -signal.SIGKILL:
-            how = "was killed, stopped from outside"  # (by the server itself: no OOM hint)
-        elif (worker.hung or worker.hung_loading) and process.exitcode == -signal.SIGKILL:
-            how = "was killed for hanging"
-            how += " while loading" if was_loading else ""
+        if ours is not None:
+            how = ours
         elif worker.load_failure and process.exitcode == 0:  # ("code 0" read as success)
             how = "stopped, as its load failed"
         else:
@@ -1122,6 +1118,18 @@ class WorkerPool(PoolReports):
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
+
+
+def server_kill(worker: WorkerHandle, exitcode: int | None, was_loading: bool) -> str | None:
+    """How a worker's process ended, in words, where the server killed it itself (no OOM
+    hint: its SIGKILL was the server's); None where it did not."""
+    if exitcode != -signal.SIGKILL:
+        return None
+    if worker.stopped:
+        return "was killed, stopped from outside"
+    if worker.hung or worker.hung_loading:
+        return "was killed for hanging" + (" while loading" if was_loading else "")
+    return None
 
 
 def exit_words(exitcode: int | None) -> str:

@@ -170,12 +170,12 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
 # how the worker's refusal of a grammar, and a grammar's failure as it holds an answer,
 # begin: the API names the field that gave it
 GRAMMAR_REFUSED = "the grammar cannot be used: "
+GRAMMAR_FAILED = "the grammar failed: "
 # the resource (`$id`) a function's parameters are given in a tool call's grammar, and that
 # of a response_format beside tools: their references are to their own roots, and a
 # grammar's fault in them is said as theirs
 TOOL_RESOURCE = "urn:rawserve:tool:"
 FORMAT_RESOURCE = "urn:rawserve:response-format"
-GRAMMAR_FAILED = "the grammar failed: "
 # how the worker's refusal of a min_new_tokens (OpenAI's min_tokens) that the prompt
 # leaves no room for begins: the API answers it 400, naming that field
 MIN_TOKENS_PAST_ROOM = "min_tokens asks for more new tokens than the prompt leaves room for: "

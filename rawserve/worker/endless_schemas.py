@@ -50,6 +50,7 @@ ONE = frozenset(
 )
 LISTED = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
 NAMED = frozenset({"properties", "patternProperties", "dependentSchemas"})
+DEFINITIONS = frozenset({"$defs", "definitions"})
 # the work the judgement may take (parts looked at), about a second at most: a schema
 # past it is refused, as too large to judge (not judged, a deep one took the worker down)
 BUDGET = 200_000

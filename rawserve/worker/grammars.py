@@ -46,7 +46,7 @@ from rawserve.tasks.text_generation import (
     REASONING_END,
     REASONING_START,
 )
-from rawserve.worker.endless_schemas import schema_fault
+from rawserve.worker.endless_schemas import DEFINITIONS, LISTED, NAMED, schema_fault
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # (declared in its stubs only)
@@ -108,8 +108,8 @@ UNIQUE_ITEMS = 'Unimplemented keys: ["uniqueItems"]'
 ANNOTATIONS = (UNKNOWN_FORMAT, UNIQUE_ITEMS)
 # the keywords whose value is a schema, a list of schemas, or schemas by name
 SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "if", "then", "else")
-SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMA_LISTS = LISTED
+SUBSCHEMA_MAPS = NAMED | DEFINITIONS
 # what holds an object's keys beside its own properties: closed, one would refuse the other's
 COMPOSING = {"allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas", "not"}
 

@@ -16,6 +16,7 @@ import io
 import warnings
 from typing import Any
 
+from rawserve.tasks.image_headers import JPEG_SCAN
 from rawserve.tasks.image_sizes import DRAFTED_FORMATS, IMAGE_FORMATS, shrink_factors
 
 # The most scans a JPEG is read with: each is a pass over the whole image (a photo's
@@ -25,7 +26,7 @@ from rawserve.tasks.image_sizes import DRAFTED_FORMATS, IMAGE_FORMATS, shrink_fa
 # cannot hide in the image data (a 0xFF there is followed by 0x00 or a restart marker),
 # so counting its bytes counts at least them.
 MAX_JPEG_SCANS = 64
-JPEG_START_OF_SCAN = b"\xff\xda"
+JPEG_START_OF_SCAN = bytes((0xFF, JPEG_SCAN))
 # The longest side, in shorter sides, of an image given to a processor that keeps the
 # aspect ratio: scaled to its 224 or so pixels on the shorter side, the image it builds
 # is this many times as long (a 1x1000 image took 3 s; 1x100000 took the worker down).
