@@ -239,6 +239,51 @@ def test_chat_messages_keep_text_only():
         messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}])
 
 
+HELLO = {"role": "user", "content": "hi"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "words"),
+    [
+        # an ill-typed tool_calls was a 500 (iterating a bool), which the SDK re-sent twice
+        ({"role": "assistant", "content": "x", "tool_calls": True}, "tool_calls", "a list"),
+        ({"role": "assistant", "content": None, "tool_calls": 1.5}, "tool_calls", "a list"),
+        ({"role": "assistant", "content": None, "tool_calls": {}}, "tool_calls", "a list"),
+        ({"role": "assistant", "content": None, "tool_calls": []}, None, "content or its tool"),
+        ({"role": "user", "content": []}, "content", "non-empty list of text parts"),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
+            "content[1]",
+            "reads no images, audio or files (not 'image_url')",
+        ),
+        (  # a text part with a key it does not take is told so, not "text only"
+            {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]},
+            "content[0]",
+            "a text part cannot have 'cache_control'",
+        ),
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, "content[0]", "'text' must"),
+        (
+            {"role": "assistant", "tool_calls": [CALL, {"function": {"name": "f"}}]},
+            "tool_calls[1]",
+            "each tool call must be",
+        ),
+        ({"role": "assistant", "function_call": {"name": "f"}}, "function_call", "each tool call"),
+        ({"role": "robot", "content": "x"}, "role", "role must be one of"),
+        ({"role": "user", "content": "x", "name": 3}, "name", "name must be a string"),
+    ],
+)
+def test_a_refused_message_is_named_where_its_fault_is(message, param, words):
+    """As OpenAI's errors do, the refusal names the message and the part at fault, in its
+    `param` and its text: `messages[1].content[0]`, not "messages" alone."""
+    with pytest.raises(BadRequest) as refused:
+        messages([HELLO, message])
+    where = "messages[1]" + (f".{param}" if param else "")
+    assert refused.value.param == where
+    assert refused.value.message.startswith(f"{where}: ")
+    assert words in refused.value.message
+
+
 def test_an_answer_sent_back_as_openais_sdk_dumps_it_is_its_text():
     # `messages.append(completion.choices[0].message.model_dump())`: every field of the answer
     dumped = {"role": "assistant", "content": "yo", "refusal": None, "annotations": None}
@@ -2309,7 +2354,7 @@ class PastTheContext(Idle):
 )
 def test_a_prompt_past_the_context_length_is_422_naming_its_field(path, document, param):
     """The error's `param` names the field at fault: the chat's "messages", the
-    completion's "prompt" (they were swapped)."""
+    completion's "prompt" (they were swapped); its `code` is OpenAI's for it."""
     details = {"chat_template": True}
     served = ServedModel(
         "m", ModelService(PastTheContext(), Loaded("text-generation", details, None))
@@ -2320,6 +2365,7 @@ def test_a_prompt_past_the_context_length_is_422_naming_its_field(path, document
     answer = asyncio.run(app.handle(request))
     error = json.loads(answer.body)["error"]
     assert (answer.status, error["param"]) == (422, param), error
+    assert error["code"] == "context_length_exceeded", error
 
 
 class NoRoomForMinTokens(Idle):
@@ -2588,13 +2634,25 @@ def test_a_responses_input_is_read_into_a_chats_messages_without_the_route():
             {"messages": HI, "response_format": {"type": [1]}},
             "response_format",
         ),
-        ("/v1/responses", {"input": "hi", "text": {"format": {"type": {"a": 1}}}}, "text"),
+        ("/v1/responses", {"input": "hi", "text": {"format": {"type": {"a": 1}}}}, "text.format"),
+        ("/v1/responses", {"input": "hi", "text": {"verbosity": "high"}}, "text.verbosity"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": HI,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": 5},
+                },
+            },
+            "response_format.json_schema.schema",
+        ),
     ],
     ids=route_id,
 )
 def test_a_format_whose_type_is_no_text_is_400_not_a_server_error(path, document, param):
     """Looked up as a key among the formats, a list or object `type` raised TypeError: a
-    500 for the client's own mistake."""
+    500 for the client's own mistake. The field at fault is named down to its part."""
     status, body, sent = generated(path, document, 64)
     error = body["error"]
     assert (status, error["param"], sent) == (400, param, []), error

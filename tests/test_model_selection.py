@@ -20,6 +20,7 @@ from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.errors import (
     HTTPError,
+    ModelNotFound,
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
@@ -543,6 +544,26 @@ async def test_a_models_own_openai_route_refuses_in_openais_shape(path, message)
     answer = await App(models).handle(post(path, {"prompt": "hi"}, headers=[]))
     assert answer.status == 404
     assert json.loads(answer.body)["error"]["message"].startswith(message)
+
+
+@pytest.mark.parametrize("route", ["/v1/models", "/v1/embeddings", "/v1/nothing"])
+async def test_a_models_own_base_url_answers_another_route_in_openais_shape(route):
+    """An SDK given `/models/gen/v1` as its base URL and asked for a route that base URL
+    does not serve (`models.list()`) is told so in OpenAI's object, which is all it reads:
+    it was TGI's shape, naming a model `gen/v1/models` that nobody asked for."""
+    models = ServedModels([served("gen", "text-generation"), served("emb", "feature-extraction")])
+    app = App(models)
+    for method in ("GET", "POST"):
+        request = HttpRequest(method, f"/models/gen{route}", "", [], b"{}", request_id="t")
+        refused = app.answer_now(request)
+        assert refused is not None and refused.status == 404
+        error = json.loads(refused.body)["error"]
+        assert error["type"] == "not_found_error"
+        assert error["message"].startswith(f"no route for /models/gen{route}"), error
+        assert "/v1/chat/completions" in error["message"]
+    # a model not served keeps its own 404, naming the served ones (rawserve's shape)
+    with pytest.raises(ModelNotFound, match="no model named 'nope/v1/models'"):
+        app.answer_now(HttpRequest("GET", "/models/nope/v1/models", "", [], b"", request_id="t"))
 
 
 async def test_a_models_own_openai_route_is_refused_from_the_head_when_it_cannot_generate():

@@ -721,7 +721,7 @@ def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
         ({"input": [{"role": "tool", "content": "4"}]}, "input[0].role"),
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"text": {"format": {"type": "yaml"}}}, "text"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # (chat's)
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -1143,6 +1143,11 @@ def test_a_tools_schema_a_grammar_cannot_follow_names_the_tools(more_servers):
     status, body = more_servers["tools"].post_json(asked, "/v1/chat/completions")
     assert status == 422 and body["error"]["param"] == "tools", body
     assert body["error"]["message"] == "the grammar cannot be used: Invalid type: wat"
+    # OpenAI's older form names its own field, not "tools", which the request never sent
+    older = {"model": TOOLS_MODEL, "messages": ASK, "functions": [broken["function"]]}
+    older["function_call"] = {"name": "f"}
+    status, body = more_servers["tools"].post_json(older, "/v1/chat/completions")
+    assert status == 422 and body["error"]["param"] == "functions", body
 
 
 # --- tools ----------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ class App:
         """How the app renders a request's errors itself, or None: the protocol renders
         them (rawserve's shape). OpenAI's object on its routes, TGI's or TEI's types where
         their clients call, and rawserve's shape where a page must read them (CORS)."""
-        if speaks_openai(request.path):
+        if speaks_openai(request.path) or self.is_model_base_url(request):
             return openai_error_response
         if self.speaks_tgi(request):
             return tgi_error_response
@@ -161,6 +161,17 @@ class App:
         stands for (TEI's `/embeddings`: OpenAI's, as everything else it answers)."""
         path = sagemaker.target(request, self.models, body_read=False).path
         return openai_error_response if speaks_openai(path) else None
+
+    def is_model_base_url(self, request: HttpRequest) -> bool:
+        """A path under a model's own OpenAI base URL (`/models/<name>/v1/...`) that is
+        no route: its client is the openai SDK, which reads only OpenAI's error object."""
+        name, _, route = request.path.removeprefix(MODELS_PREFIX).partition("/v1/")
+        return (
+            request.path.startswith(MODELS_PREFIX)
+            and bool(route)
+            and request.path not in self.routes
+            and name in self.models.names
+        )
 
     def speaks_tgi(self, request: HttpRequest) -> bool:
         """TGI's routes, and `POST /` (or `/models/<name>`) on a text-generation model:
@@ -208,9 +219,16 @@ class App:
         try:
             model = self.models.get(name.removesuffix(route))
         except NotFound:
-            if not preflight:
+            if preflight:
+                model = self.models.default
+            elif self.is_model_base_url(request):
+                served = ", ".join(MODEL_GENERATION_PATHS)
+                raise NotFound(
+                    f"no route for {request.path}: a model's own base URL "
+                    f"(/models/<name>/v1) serves {served}"
+                ) from None
+            else:
                 raise
-            model = self.models.default
         return self.routes[prefix + model.name + route]
 
     def handler(self, request: HttpRequest, methods: dict[str, Handler]) -> Handler:

@@ -254,7 +254,11 @@ def name_field(
     names hold a control token, the field that holds it (CHAT_REFUSALS; OpenAI's older
     `functions` where the request sent those). A chat's messages are the Responses API's
     (`responses`) "input"."""
-    if error.status != 422 or error.param is not None:
+    if error.status != 422:
+        return
+    if CONTEXT_LENGTH in error.message:  # OpenAI's code for it, which clients act on
+        error.code = "context_length_exceeded"
+    if error.param is not None:
         return
     messages = "input" if responses else "messages"
     if error.message.startswith((GRAMMAR_REFUSED, GRAMMAR_FAILED)):

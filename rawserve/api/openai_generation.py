@@ -332,6 +332,10 @@ def read_response_format(
                 field = str(unknown[0])[:SHOWN_CHARS]
                 raise BadRequest(f'"{where}" has an unknown field: "{field}"', param=where)
             check_schema_description(where, described)
+            if not isinstance(described.get("schema"), dict):
+                raise BadRequest(
+                    f'"{where}.schema" must be a JSON schema: an object', param=f"{where}.schema"
+                )
         try:
             return text_generation.grammar({"type": "json_schema", "value": described})
         except ValueError:
@@ -509,7 +513,8 @@ def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
             )
         tools = offer_tools(tools, tool_prompt, chat, params)
     if tools is not None and tools.held:  # (a response_format beside them is theirs)
-        request = replace(request, grammar_field="tools")
+        field = "functions" if tools.older else "tools"  # (OpenAI's older form: its own)
+        request = replace(request, grammar_field=field)
     request = json_unstopped(replace(request, items=[chat], params=params, tools=tools))
     top = fields.value("top_logprobs")
     if fields.value("logprobs"):

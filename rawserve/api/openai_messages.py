@@ -42,55 +42,77 @@ def read_messages(name: str, value: Any, context: DocContext | None) -> list[dic
 def messages(value: Any) -> list[dict[str, Any]]:
     """OpenAI's messages as the chat template takes them: role and text content, an
     assistant's tool calls (their arguments as objects, as templates write them) and a
-    tool's answer to one."""
+    tool's answer to one. A refusal names where its fault is, `messages[2].content[0]`,
+    in its text and its `param`, as OpenAI's do."""
     if not isinstance(value, list) or not value:
         raise BadRequest('"messages" must be a non-empty list of {"role", "content"}')
     checked = []
-    for message in value:
-        if not isinstance(message, dict):
-            raise BadRequest(
-                'each message must be {"role", "content"} (and "name"; an assistant\'s '
-                '"tool_calls", a tool\'s "tool_call_id")'
-            )
-        if unknown := sorted(set(message) - MESSAGE_KEYS):
-            raise BadRequest(
-                f"a message cannot have {', '.join(repr(key)[:60] for key in unknown[:10])}"
-                f" (its fields: {', '.join(sorted(MESSAGE_KEYS))})"
-            )
-        role = message.get("role")
-        if role not in ROLES:
-            raise BadRequest(f"each message's role must be one of {', '.join(ROLES)}")
-        entry: dict[str, Any] = {"role": role}
-        refusal = refusal_text(message, role)
-        calls = message.get("tool_calls")  # null (TGI's client sends it) or []: none
-        if (called := message.get("function_call")) is not None:  # OpenAI's older form
-            calls = [*(calls or []), {"function": called}]
-        if role == "function":  # OpenAI's older tool's answer: a tool's, as templates take it
-            role = entry["role"] = "tool"
-        thought = reasoning_text(message, role)
-        if calls:
-            if role != "assistant":
-                raise BadRequest("only an assistant's message has tool calls")
-            entry["tool_calls"] = [template_call(call) for call in calls]
-            content = message.get("content")  # (null beside calls)
-            entry["content"] = "" if content in (None, "") else message_text(content)
-        else:
-            # (an assistant's null beside its refusal, or beside thinking that never closed)
-            content = message.get("content")
-            if content is None and thought is not None:
-                content = ""
-            entry["content"] = message_text(
-                refusal if content in (None, "") and refusal else content
-            )
-        if thought is not None:
-            entry["reasoning_content"] = thought
-        for key in ("name", "tool_call_id"):
-            if (given := message.get(key)) is not None:
-                if not isinstance(given, str):
-                    raise BadRequest(f"a message's {key} must be a string")
-                entry[key] = unicode_text(given, f"a message's {key}")
-        checked.append(entry)
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        try:
+            checked.append(one_message(message))
+        except BadRequest as exc:
+            inner = f"{where}.{exc.param}" if exc.param else where
+            raise BadRequest(f"{inner}: {exc.message}", param=inner) from None
     return checked
+
+
+def one_message(message: Any) -> dict[str, Any]:
+    """One message of `messages`; a refusal's `param` is where in it the fault is
+    (`content[1]`), or None: the message as a whole."""
+    if not isinstance(message, dict):
+        raise BadRequest(
+            'each message must be {"role", "content"} (and "name"; an assistant\'s '
+            '"tool_calls", a tool\'s "tool_call_id")'
+        )
+    if unknown := sorted(set(message) - MESSAGE_KEYS):
+        raise BadRequest(
+            f"a message cannot have {', '.join(repr(key)[:60] for key in unknown[:10])}"
+            f" (its fields: {', '.join(sorted(MESSAGE_KEYS))})"
+        )
+    role = message.get("role")
+    if role not in ROLES:
+        raise BadRequest(f"each message's role must be one of {', '.join(ROLES)}", param="role")
+    entry: dict[str, Any] = {"role": role}
+    refusal = refusal_text(message, role)
+    calls = message.get("tool_calls")  # null (TGI's client sends it) or []: none
+    if not isinstance(calls, (list, type(None))):
+        raise BadRequest("a message's tool_calls must be a list of tool calls", param="tool_calls")
+    if (called := message.get("function_call")) is not None:  # OpenAI's older form
+        calls = [*(calls or []), {"function": called}]
+    if role == "function":  # OpenAI's older tool's answer: a tool's, as templates take it
+        role = entry["role"] = "tool"
+    thought = reasoning_text(message, role)
+    content = message.get("content")
+    if calls:
+        if role != "assistant":
+            raise BadRequest("only an assistant's message has tool calls", param="tool_calls")
+        entry["tool_calls"] = []
+        for number, call in enumerate(calls):
+            try:
+                entry["tool_calls"].append(template_call(call))
+            except BadRequest as exc:  # (the older function_call is the last)
+                field = "function_call" if called is not None and number == len(calls) - 1 else None
+                raise BadRequest(exc.message, param=field or f"tool_calls[{number}]") from None
+        # (null beside calls)
+        entry["content"] = "" if content in (None, "") else message_text(content)
+    else:
+        # (an assistant's null beside its refusal, or beside thinking that never closed)
+        if content is None and thought is not None:
+            content = ""
+        if content in (None, "") and refusal:
+            content = refusal
+        if content is None and role == "assistant":
+            raise BadRequest("an assistant's message needs its content or its tool calls")
+        entry["content"] = message_text(content)
+    if thought is not None:
+        entry["reasoning_content"] = thought
+    for key in ("name", "tool_call_id"):
+        if (given := message.get(key)) is not None:
+            if not isinstance(given, str):
+                raise BadRequest(f"a message's {key} must be a string", param=key)
+            entry[key] = unicode_text(given, f"a message's {key}")
+    return entry
 
 
 def refusal_text(message: dict[str, Any], role: str) -> str | None:
@@ -147,20 +169,38 @@ def message_text(content: Any) -> str:
     refusal part is the text it answered)."""
     if isinstance(content, str):
         return unicode_text(content, "a message's content")
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            key = "refusal" if kind == "refusal" else "text"
-            if (
-                kind not in ("text", "refusal")
-                or not isinstance(part.get(key), str)
-                or set(part) - {CACHE_BREAKPOINT} != {"type", key}
-            ):
-                raise BadRequest('content parts must be {"type": "text", "text": ...}: text only')
-            texts.append(unicode_text(part[key], "a message's content"))
-        return "".join(texts)
-    raise BadRequest("a message's content must be a text or a list of text parts")
+    if not isinstance(content, list) or not content:
+        raise BadRequest(
+            "a message's content must be a text or a non-empty list of text parts",
+            param="content",
+        )
+    texts = []
+    for number, part in enumerate(content):
+        try:
+            texts.append(part_text(part))
+        except BadRequest as exc:
+            raise BadRequest(exc.message, param=f"content[{number}]") from None
+    return "".join(texts)
+
+
+def part_text(part: Any) -> str:
+    """One part of a message's content: a text part's text, or a refusal part's."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in ("text", "refusal"):
+        shown = f" (not {kind!r:.40})" if isinstance(kind, str) else ""
+        raise BadRequest(
+            'content parts must be {"type": "text", "text": ...}: text only, this server '
+            f"reads no images, audio or files{shown}"
+        )
+    key = "refusal" if kind == "refusal" else "text"
+    if not isinstance(part.get(key), str):
+        raise BadRequest(f"a {kind} part's {key!r} must be a text")
+    if unknown := sorted(set(part) - {"type", key, CACHE_BREAKPOINT}):
+        raise BadRequest(
+            f"a {kind} part cannot have {', '.join(repr(name)[:60] for name in unknown[:10])}"
+            f" (its fields: type, {key})"
+        )
+    return unicode_text(part[key], "a message's content")
 
 
 # --- the schema of one message ------------------------------------------------------------

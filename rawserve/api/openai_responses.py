@@ -87,7 +87,8 @@ def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, An
         raise BadRequest(f'"{name}" must be {{"format": {{"type": ...}}}}')
     if value.get("verbosity") not in (None, "medium"):
         raise BadRequest(
-            f'"{name}.verbosity" is not supported by this server: it takes only null or "medium"'
+            f'"{name}.verbosity" is not supported by this server: it takes only null or "medium"',
+            param=f"{name}.verbosity",
         )
     form = value.get("format")
     if form is None:
@@ -102,7 +103,8 @@ def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, An
     except BadRequest:
         raise BadRequest(
             f'"{name}.format" must be {{"type": "text"}}, {{"type": "json_object"}} or '
-            '{"type": "json_schema", "name": ..., "schema": {...}}'
+            '{"type": "json_schema", "name": ..., "schema": {...}}',
+            param=f"{name}.format",
         ) from None
 
 
