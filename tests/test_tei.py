@@ -343,14 +343,18 @@ def test_inference_client_sentence_similarity(servers, monkeypatch):
     [
         ({"parameters": {"truncate": True, "nromalize": False}}, "nromalize"),
         ({"top_k": 2}, "top_k"),
+        ({}, '"inputs" must be'),  # (a key beside the two, in "inputs")
     ],
 )
 def test_sentence_similarity_on_the_inference_api_refuses_what_it_does_not_read(
     servers, extra, named
 ):
     # POST / refuses unknown fields and parameters for every task: a misspelt one would
-    # silently change nothing (TEI's /similarity ignores them, as TEI does)
-    document = {"inputs": {"source_sentence": "hello", "sentences": ["paris"]}, **extra}
+    # silently change nothing (TEI's /similarity ignores them, as TEI does, in "inputs" too)
+    inputs = {"source_sentence": "hello", "sentences": ["paris"]}
+    if not extra:
+        inputs["x"] = 1
+    document = {"inputs": inputs, **extra}
     assert_error(*servers["embedding"].post_json(document), 400, named)
     assert servers["embedding"].post_json(document, "/similarity")[0] == 200
 

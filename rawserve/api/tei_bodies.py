@@ -191,12 +191,16 @@ def predict_schema(context: DocContext) -> Schema:
 
 
 def read_similarity_inputs(
-    name: str, value: Any, context: DocContext | None
+    name: str, value: Any, context: DocContext | None, ignore_unknown: bool = False
 ) -> tuple[str, list[str]]:
     """`{"source_sentence": text, "sentences": [text, ...]}`: the source and the others; the
-    source counts as an input against the client batch cap, as TEI counts it."""
+    source counts as an input against the client batch cap, as TEI counts it. Other keys
+    beside them are ignored where the body's unknown fields are (TEI's), else refused."""
     refusal = BadRequest('"inputs" must be {"source_sentence": text, "sentences": [text, ...]}')
-    if not isinstance(value, dict) or set(value) != {"source_sentence", "sentences"}:
+    keys = {"source_sentence", "sentences"}
+    if not isinstance(value, dict) or not keys <= set(value):
+        raise refusal
+    if not ignore_unknown and set(value) != keys:
         raise refusal
     source, sentences = value["source_sentence"], value["sentences"]
     if isinstance(source, str) and sentences == []:  # TEI types an empty list apart
@@ -210,7 +214,7 @@ def read_similarity_inputs(
     return checked_text(source, '"source_sentence"'), checked
 
 
-def similarity_inputs_schema(context: DocContext) -> Schema:
+def similarity_inputs_schema(context: DocContext, ignore_unknown: bool = False) -> Schema:
     sentences = {"type": "array", "items": {"type": "string"}, "minItems": 1}
     return {
         "type": "object",
@@ -219,7 +223,7 @@ def similarity_inputs_schema(context: DocContext) -> Schema:
             "source_sentence": {"type": "string"},
             "sentences": {**sentences, "maxItems": context.max_inputs - 1},
         },
-        "additionalProperties": False,
+        "additionalProperties": ignore_unknown,
     }
 
 
@@ -375,10 +379,14 @@ def similarity_body(ignore_unknown: bool) -> Body:
     def parameters_schema(context: DocContext) -> Schema:
         return {"anyOf": [parameters_body.schema(context), {"type": "null"}]}
 
+    def read_inputs(name: str, value: Any, context: DocContext | None) -> tuple[str, list[str]]:
+        return read_similarity_inputs(name, value, context, ignore_unknown)
+
+    def inputs_schema(context: DocContext) -> Schema:
+        return similarity_inputs_schema(context, ignore_unknown)
+
     fields = {
-        "inputs": Field(
-            similarity_inputs_schema, read_similarity_inputs, reads_null=True, required=True
-        ),
+        "inputs": Field(inputs_schema, read_inputs, reads_null=True, required=True),
         "parameters": Field(parameters_schema, read_parameters, reads_null=True),
     }
     if not ignore_unknown:
