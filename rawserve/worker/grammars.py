@@ -112,6 +112,62 @@ SUBSCHEMA_LISTS = LISTED
 SUBSCHEMA_MAPS = NAMED | DEFINITIONS
 # what holds an object's keys beside its own properties: closed, one would refuse the other's
 COMPOSING = {"allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas", "not"}
+# JSON Schema's keywords (drafts 4 to 2020-12) that llguidance reads, implements or refuses
+# by name; any other key of a schema is an annotation, as JSON Schema takes it (OpenAPI's
+# and pydantic's `discriminator`, `nullable`, `example`, `externalDocs`, `xml`, `x-*`), and
+# so are `deprecated` and `contentSchema`. llguidance ignores an annotation, but beside a
+# reference within a cycle takes it for a constraint to intersect, and refused the schema
+# ("circular references with sibling keys"): a recursive discriminated union of pydantic's
+KEYWORDS = frozenset(
+    {
+        *("$schema", "$id", "id", "$ref", "$anchor", "$dynamicRef", "$dynamicAnchor"),
+        *("$recursiveRef", "$recursiveAnchor", "$vocabulary", "$comment", "$defs"),
+        *("definitions", "allOf", "anyOf", "oneOf", "not", "if", "then", "else"),
+        *("dependentSchemas", "dependencies", "prefixItems", "items", "additionalItems"),
+        *("contains", "properties", "patternProperties", "additionalProperties"),
+        *("propertyNames", "unevaluatedItems", "unevaluatedProperties", "type", "enum"),
+        *("const", "multipleOf", "maximum", "exclusiveMaximum", "minimum"),
+        *("exclusiveMinimum", "maxLength", "minLength", "pattern", "maxItems", "minItems"),
+        *("uniqueItems", "maxContains", "minContains", "maxProperties", "minProperties"),
+        *("required", "dependentRequired", "title", "description", "default", "readOnly"),
+        *("writeOnly", "examples", "format", "contentEncoding", "contentMediaType"),
+    }
+)
+OPTIONS = "x-guidance"  # llguidance's own, at the root: how the JSON is laid out
+# the keywords whose values are schemas, for the walk that drops annotations (all of them:
+# what is under "not" too)
+EVERY_ONE = frozenset(
+    {*SUBSCHEMA, "not", "propertyNames", "unevaluatedItems", "unevaluatedProperties"}
+)
+EVERY_MAP = SUBSCHEMA_MAPS | {"dependencies"}  # (an older draft's: schemas, or lists of names)
+
+
+def compilable(schema: Any) -> Any:
+    """`schema` as it is compiled (and judged): without annotations llguidance could take
+    for constraints (`KEYWORDS`), its objects closed (`closed_objects`)."""
+    bare = without_annotations(schema)
+    if isinstance(schema, dict) and OPTIONS in schema:
+        bare[OPTIONS] = schema[OPTIONS]
+    return closed_objects(bare)
+
+
+def without_annotations(schema: Any) -> Any:
+    """`schema` without the keys of its subschemas that are not JSON Schema's keywords
+    (nor `deprecated`, `contentSchema`); a property's name is a name, whatever it is
+    (a property named "discriminator" stays), and data (`const`, `enum`) is as written."""
+    if not isinstance(schema, dict):
+        return schema
+    bare = {key: value for key, value in schema.items() if key in KEYWORDS}
+    for keyword in EVERY_ONE & bare.keys():
+        bare[keyword] = without_annotations(bare[keyword])
+    for keyword in SUBSCHEMA_LISTS & bare.keys():
+        if isinstance(bare[keyword], list):
+            bare[keyword] = [without_annotations(each) for each in bare[keyword]]
+    for keyword in EVERY_MAP & bare.keys():
+        if isinstance(bare[keyword], dict):
+            named = bare[keyword].items()
+            bare[keyword] = {name: without_annotations(each) for name, each in named}
+    return bare
 
 
 def closed_objects(schema: Any) -> Any:
@@ -181,7 +237,7 @@ def grammar_text(grammar: Mapping[str, Any]) -> str:
         if (len(pattern) - len(pattern.rstrip("\\"))) % 2:  # (llguidance drops it)
             raise ValueError("regex parse error: the pattern ends in a lone backslash")
         return str(llguidance.LLMatcher.grammar_from_regex(pattern))
-    schema = closed_objects(grammar["value"])
+    schema = compilable(grammar["value"])
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
 
 
@@ -228,7 +284,7 @@ def formats_as_annotations(grammar: Mapping[str, Any]) -> str | None:
     knows are held to still. None where the schema has other faults too (the first of them
     is the one to report)."""
     lenient: JsonCompileOptions = {**JSON_LAYOUT, "lenient": True}
-    schema = closed_objects(grammar["value"])
+    schema = compilable(grammar["value"])
     text = str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=lenient))
     failed, faults = llguidance.LLMatcher.validate_grammar_with_warnings(text, limits=LIMITS)
     if failed or not all(as_annotations(warning) for warning in faults):
