@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from rawserve.api.openai_tools import Tools
+
 
 @functools.cache
 def grammars() -> Any:
@@ -106,3 +108,54 @@ def test_a_property_named_as_an_annotation_is_a_property():
     assert holds(grammar, '{"discriminator": 1, "nullable": {"x-a": 1}}')
     assert not holds(grammar, '{"discriminator": "a", "nullable": {"x-a": 1}}')
     assert not holds(grammar, '{"discriminator": 1, "nullable": {}}')
+
+
+def parameters_with(own_id: str, x: dict[str, Any], **more: Any) -> dict[str, Any]:
+    properties = {"v": {"$ref": "#/$defs/x"}, **more}
+    return {"$id": own_id, "type": "object", "$defs": {"x": x}, "properties": properties}
+
+
+def test_tools_whose_parameters_share_an_id_are_each_held_to_their_own():
+    """Two tools' parameters with one `$id` were one resource to llguidance: a call of a
+    was held to b's `$defs` ({"v": "bee"} taken, {"v": 1} refused). Each tool's resource is
+    its own, and its references lead where they led: by the `$id`, relative to it, to a
+    part an older draft's `"$id": "#name"` names."""
+    shared = "https://example.com/params.json"
+    a = parameters_with(shared, {"type": "integer"})
+    b = parameters_with(shared, {"type": "string", "enum": ["bee"]})
+    calls = Tools([{"name": "a", "parameters": a}, {"name": "b", "parameters": b}], "required")
+    grammar = calls.grammar()
+    assert holds(grammar, '{"name": "a", "arguments": {"v": 1}}')
+    assert not holds(grammar, '{"name": "a", "arguments": {"v": "bee"}}')
+    assert holds(grammar, '{"name": "b", "arguments": {"v": "bee"}}')
+    assert not holds(grammar, '{"name": "b", "arguments": {"v": 1}}')
+    # a reference by the root's `$id`, and one relative to it, into a resource of its own
+    node = {"$id": "node.json", "type": "integer"}
+    by_uri = parameters_with(
+        shared,
+        {"$ref": f"{shared}#/$defs/y"},
+        w={"$ref": "node.json"},
+        u={"$ref": "https://example.com/node.json"},
+    )
+    by_uri["$defs"] = {**by_uri["$defs"], "y": {"type": "boolean"}, "node": node}
+    tools = Tools([{"name": "a", "parameters": a}, {"name": "c", "parameters": by_uri}], "c")
+    assert holds(tools.grammar(), '{"name": "c", "arguments": {"v": true, "w": 1, "u": 2}}')
+    assert not holds(tools.grammar(), '{"name": "c", "arguments": {"v": 1}}')
+    assert not holds(tools.grammar(), '{"name": "c", "arguments": {"w": true}}')
+    # draft-07's `"$id": "#root"`: a name for the root ("Anchor 'root' does not exist")
+    anchored = {"$id": "#root", "type": "object", "properties": {"n": {"$ref": "#root"}}}
+    tools = Tools([{"name": "a", "parameters": a}, {"name": "r", "parameters": anchored}], "r")
+    assert holds(tools.grammar(), '{"name": "r", "arguments": {"n": {"n": {}}}}')
+    assert not holds(tools.grammar(), '{"name": "r", "arguments": {"n": 1}}')
+
+
+def test_a_response_formats_id_leaves_it_a_resource_of_its_own():
+    shared = "https://example.com/params.json"
+    tools = Tools(
+        [{"name": "a", "parameters": parameters_with(shared, {"type": "integer"})}],
+        "auto",
+        answer_format=parameters_with(shared, {"type": "boolean"}),
+    )
+    assert holds(tools.grammar(), '{"content": {"v": true}}')
+    assert not holds(tools.grammar(), '{"content": {"v": 1}}')
+    assert holds(tools.grammar(), '{"name": "a", "arguments": {"v": 1}}')

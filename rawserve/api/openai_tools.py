@@ -29,12 +29,17 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urldefrag, urljoin
 
 from rawserve.api.routing import DocContext, Schema
 from rawserve.http.errors import BadRequest
 from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
 
 MAX_TOOLS = 128
+# an older draft's `$id` that names a part (an anchor), not a resource
+ANCHOR_ID = re.compile(r"#[A-Za-z_][-A-Za-z0-9._]*")
+# the keywords of a schema whose values are data, never schemas: a "$ref" in them is data
+DATA = frozenset({"const", "enum", "default", "examples", "example"})
 FUNCTION_NAME = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 
 
@@ -254,7 +259,8 @@ def call_schema(function: dict[str, Any]) -> Schema:
         # a resource of its own: a reference in it ("#/$defs/...", as pydantic writes
         # them) is to its own root still, not to the call's that holds it; an object where
         # it leaves its type out (it would hold nothing else: `null` would do)
-        arguments = {"$id": TOOL_RESOURCE + function["name"], "type": "object", **arguments}
+        resource = TOOL_RESOURCE + function["name"]
+        arguments = own_resource({"type": "object", **arguments}, resource)
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": arguments},
@@ -266,8 +272,46 @@ def call_schema(function: dict[str, Any]) -> Schema:
 def formatted(answer_format: dict[str, Any]) -> Schema:
     """An answer that does not call: `{"content": ...}`, the content held to the format."""
     # a resource of its own, as a function's parameters are (its references to its root)
-    content = {"$id": FORMAT_RESOURCE, **answer_format}
+    content = own_resource(answer_format, FORMAT_RESOURCE)
     return {**WORDS, "properties": {"content": content}}
+
+
+def own_resource(schema: Schema, resource: str) -> Schema:
+    """`schema` as the resource named `resource`, whatever `$id` it gives its root: two
+    tools whose parameters gave the same one were one resource to llguidance, and a call of
+    the first was held to the second's `$defs`. Its references lead where they led: one
+    that names its root by that `$id` names it by `resource`, one relative to it is made
+    absolute, and an older draft's `"$id": "#name"` at its root is the anchor it named."""
+    given = schema.get("$id")
+    rest = {key: value for key, value in schema.items() if key != "$id"}
+    if isinstance(given, str) and ANCHOR_ID.fullmatch(given):
+        rest = {"$anchor": given[1:], **rest}
+    elif isinstance(given, str) and given and not given.startswith("#"):
+        rest = rebased(rest, given, urldefrag(given).url, resource)
+    return {"$id": resource, **rest}
+
+
+def rebased(part: Any, base: str, root: str, resource: str) -> Any:
+    """`part` of a schema whose root's `$id` was `root`, within the resource `base`
+    begins, its references and `$id`s absolute, those to `root` to `resource` instead (a
+    reference within the resource, `#...`, is left as written: it leads where it led)."""
+    if isinstance(part, list):
+        return [rebased(each, base, root, resource) for each in part]
+    if not isinstance(part, dict):
+        return part
+    part = dict(part)
+    given = part.get("$id")
+    if isinstance(given, str) and given and not given.startswith("#"):
+        base = part["$id"] = urljoin(base, given)
+    reference = part.get("$ref")
+    if isinstance(reference, str) and not reference.startswith("#"):
+        target = urldefrag(urljoin(base, reference))
+        whole = resource if target.url == root else target.url
+        part["$ref"] = f"{whole}#{target.fragment}" if target.fragment else whole
+    for key, value in part.items():
+        if key not in DATA and isinstance(value, dict | list):
+            part[key] = rebased(value, base, root, resource)
+    return part
 
 
 def read_tools(name: str, value: Any, context: DocContext | None) -> list[dict[str, Any]]:
