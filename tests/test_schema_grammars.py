@@ -159,3 +159,46 @@ def test_a_response_formats_id_leaves_it_a_resource_of_its_own():
     assert holds(tools.grammar(), '{"content": {"v": true}}')
     assert not holds(tools.grammar(), '{"content": {"v": 1}}')
     assert holds(tools.grammar(), '{"name": "a", "arguments": {"v": 1}}')
+
+
+# a reference beside a constraint within a cycle: llguidance refuses it, naming the part
+SIBLING = {
+    "$defs": {
+        "B": {
+            "type": "object",
+            "properties": {"next": {"$ref": "#/$defs/B", "minProperties": 1}},
+        }
+    },
+    "$ref": "#/$defs/B",
+}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "said"),
+    [
+        (SIBLING, "not supported: #/$defs/B (in the parameters' schema of function 'f')"),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "1/a"}}},
+            "'1/a' against '#': relative reference must be",
+        ),
+    ],
+)
+def test_a_fault_names_the_part_as_the_client_does(parameters, said):
+    """llguidance's messages named rawserve's own resource ("urn:rawserve:tool:f#/$defs/B")
+    and its placeholder for a schema without `$id` ("json-schema:///#/$defs/B", "the
+    schema refers to 'json-schema:///1/a'"): the part is named by its reference, and
+    whose it is."""
+    grammar = Tools([{"name": "f", "parameters": parameters}], "f").grammar()
+    message = refusal(grammar)
+    assert said in message
+    for internal in ("urn:rawserve", "json-schema:"):
+        assert internal not in message
+    message = refusal({"type": "json", "value": SIBLING})
+    assert message.endswith("not supported: #/$defs/B")
+    message = refusal({"type": "json", "value": {"$ref": "1/a"}})
+    assert "the schema refers to '1/a', outside it" in message
+    for answer_format in (SIBLING, {"$ref": "1/a"}):
+        tools = Tools([{"name": "f"}], "auto", answer_format=answer_format)
+        message = refusal(tools.grammar())
+        assert message.endswith("(in the response_format's schema)")
+        assert "urn:rawserve" not in message and "json-schema:" not in message

@@ -40,11 +40,13 @@ import numpy
 import torch
 
 from rawserve.tasks.text_generation import (
+    FORMAT_RESOURCE,
     GRAMMAR_FAILED,
     GRAMMAR_REFUSED,
     OPENED_IN_PROMPT,
     REASONING_END,
     REASONING_START,
+    TOOL_RESOURCE,
 )
 from rawserve.worker.endless_schemas import DEFINITIONS, LISTED, NAMED, schema_fault
 
@@ -98,6 +100,15 @@ FAULT_WORDS = (
         r"the schema holds a number past 64 bits: \1",
     ),
 )
+
+
+# the resources rawserve gives a tool's parameters and a response_format beside tools, as a
+# message names a place in them, and llguidance's name for a schema that gives no `$id`
+OUR_RESOURCES = re.compile(
+    f"(?:{re.escape(TOOL_RESOURCE)}(?P<function>[A-Za-z0-9_-]+)|{re.escape(FORMAT_RESOURCE)})"
+    r"(?P<fragment>#[^\s'\"]*)?"
+)
+PLACEHOLDER = "json-schema:///"
 
 
 # llguidance's faults for what a schema may say that a grammar leaves be: a "format" it
@@ -502,12 +513,35 @@ def fault(matcher: llguidance.LLMatcher) -> str:
 
 
 def in_words(message: str) -> str:
-    """llguidance's `message` as a client can act on it (`FAULT_WORDS`), or as it is."""
+    """llguidance's `message` as a client can act on it (`FAULT_WORDS`), or as it is, its
+    places in the client's terms (`in_clients_terms`)."""
     for pattern, words in FAULT_WORDS:
         if (found := pattern.search(message)) is not None:
             log.debug("grammar fault: %s", message)
-            return found.expand(words) if isinstance(words, str) else words(found)
-    return message
+            said = found.expand(words) if isinstance(words, str) else words(found)
+            return in_clients_terms(said)
+    return in_clients_terms(message)
+
+
+def in_clients_terms(message: str) -> str:
+    """`message` with the places llguidance names as the client names them: a part of a
+    tool's parameters ("urn:rawserve:tool:f#/$defs/x") by its reference, the function
+    named after, and its placeholder for a schema without an `$id` ("json-schema:///")
+    left out."""
+    whose: list[str] = []
+
+    def reference(found: re.Match[str]) -> str:
+        named = (
+            f"the parameters' schema of function {found['function']!r}"
+            if found["function"]
+            else "the response_format's schema"
+        )
+        if named not in whose:
+            whose.append(named)
+        return found["fragment"] or "#"
+
+    said = OUR_RESOURCES.sub(reference, message).replace(PLACEHOLDER, "")
+    return f"{said} (in {' and '.join(whose)})" if whose else said
 
 
 def unheld_keywords(listed: str) -> str:
