@@ -257,3 +257,20 @@ def test_the_bound_on_nesting_is_never_below_the_longest_chain_met_once(monkeypa
 
         bound = endless_schemas.longest_chain(refers, levels, lambda: None)
         assert bound >= longest_met_once((), {()}), (refers, levels)
+
+
+def test_a_chain_listed_from_its_root_is_judged_in_work_linear_in_its_size():
+    """150 parts of 20 required integers, each requiring the next (the last a string),
+    all listed from the root: judged again in full until nothing changed, the judgement
+    took more than 200,000 steps ("too large to judge") for ~3,300 parts."""
+    parts = {}
+    for i in range(150):
+        listed = {f"f{j}": {"type": "integer"} for j in range(20)}
+        listed["next"] = {"$ref": f"#/$defs/d{i + 1}" if i < 149 else "#/$defs/leaf"}
+        parts[f"d{i}"] = {"type": "object", "properties": listed, "required": list(listed)}
+    parts["leaf"] = {"type": "string"}
+    listed = {f"p{i}": {"$ref": f"#/$defs/d{i}"} for i in range(150)}
+    schema = {"type": "object", "$defs": parts, "properties": listed}
+    judgement = endless_schemas.Judgement(schema)
+    assert judgement.endless() is None
+    assert endless_schemas.BUDGET - judgement.left < 20_000  # (~3,300 parts, twice or so)

@@ -110,12 +110,24 @@ class Judgement:
     def endless(self) -> Fault | None:
         ends = dict.fromkeys(self.written, False)
         parts = {target: part_at(self.schema, target) for target in self.written}
-        changed = True
-        while changed:
-            changed = False
-            for target, part in reversed(parts.items()):  # (the deepest found first)
-                if not ends[target] and self.can_end(part, ends):
-                    ends[target] = changed = True
+        referrers: dict[Path, list[Path]] = {}
+        for node, targets in self.refers.items():
+            for target in targets:
+                referrers.setdefault(target, []).append(node)
+        # a worklist: a part is judged again only once a part it refers to is seen to end
+        # (judging them all again until nothing changed took a pass a part of a chain)
+        waiting = list(self.written)  # (the deepest found, last, judged first)
+        queued = set(waiting)
+        while waiting:
+            target = waiting.pop()
+            queued.discard(target)
+            if ends[target] or not self.can_end(parts[target], ends):
+                continue
+            ends[target] = True
+            for node in referrers.get(target, []):
+                if node in ends and not ends[node] and node not in queued:
+                    waiting.append(node)
+                    queued.add(node)
         endless = [target for target, ended in ends.items() if not ended]
         if not endless:
             return None
