@@ -274,3 +274,96 @@ def test_a_chain_listed_from_its_root_is_judged_in_work_linear_in_its_size():
     judgement = endless_schemas.Judgement(schema)
     assert judgement.endless() is None
     assert endless_schemas.BUDGET - judgement.left < 20_000  # (~3,300 parts, twice or so)
+
+
+URI = "https://example.com/t"
+
+
+@pytest.mark.parametrize(
+    ("schema", "endless"),
+    [
+        # a $ref beside what it adds: its target's property required there
+        (
+            {
+                "$defs": {
+                    "N": {"type": "object", "properties": {"next": {"$ref": "#/$defs/M"}}},
+                    "M": {"$ref": "#/$defs/N", "required": ["next"]},
+                },
+                "$ref": "#/$defs/M",
+            },
+            "#/$defs/M",
+        ),
+        # required across an allOf's parts, or by one it refers to
+        (
+            {
+                "type": "object",
+                "allOf": [{"properties": {"a": {"$ref": "#"}}}, {"required": ["a"]}],
+            },
+            "#",
+        ),
+        (
+            {
+                "$defs": {"Req": {"required": ["child"]}},
+                "type": "object",
+                "properties": {"child": {"$ref": "#"}},
+                "allOf": [{"$ref": "#/$defs/Req"}],
+            },
+            "#",
+        ),
+        # ... but not where the allOf's required property may be null
+        (
+            {
+                "type": "object",
+                "allOf": [
+                    {"properties": {"a": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}},
+                    {"required": ["a"]},
+                ],
+            },
+            None,
+        ),
+        # an anchor; a full URI to the root's `$id`; one relative to it
+        (
+            {
+                "$defs": {"N": {"$anchor": "node", **NODE, "properties": {"c": {"$ref": "#node"}}}},
+                "$ref": "#node",
+            },
+            "#node",
+        ),
+        ({"$id": URI, **NODE, "properties": {"c": {"$ref": URI}}}, URI),
+        (
+            {
+                "$id": URI,
+                "$defs": {"n": {"$id": "node", **NODE, "properties": {"c": {"$ref": "node"}}}},
+                "$ref": "node",
+            },
+            "node",
+        ),
+        # at least one property, and only one that never ends; or another that may
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#"}},
+                "minProperties": 1,
+                "additionalProperties": False,
+            },
+            "#",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#"}, "b": {"type": "integer"}},
+                "minProperties": 1,
+                "additionalProperties": False,
+            },
+            None,
+        ),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "minProperties": 1}, None),
+        # a count written as an integral float is that count
+        ({"type": "array", "items": {"$ref": "#"}, "minItems": 1.0}, "#"),
+    ],
+)
+def test_a_part_held_to_more_than_itself_is_judged_with_it(schema, endless):
+    """Each streamed '{' then failed ("a step of the grammar needs more work than
+    allowed"): what a part is held to besides its own keys (a $ref's target, an allOf's
+    parts), an anchor's or a URI's target, a least number of properties."""
+    assert endless_part(schema) == endless

@@ -202,3 +202,11 @@ def test_a_fault_names_the_part_as_the_client_does(parameters, said):
         message = refusal(tools.grammar())
         assert message.endswith("(in the response_format's schema)")
         assert "urn:rawserve" not in message and "json-schema:" not in message
+
+
+def test_a_schema_is_judged_as_it_is_compiled():
+    """An object that lists its properties and leaves `additionalProperties` unstated is
+    compiled closed: `minProperties` 1 with one property that never ends streamed '{' and
+    then failed; the judgement looked at it open."""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "minProperties": 1}
+    assert "no answer can complete it" in refusal({"type": "json", "value": endless})

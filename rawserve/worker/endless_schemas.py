@@ -12,13 +12,25 @@ here, before the first token, each is refused with its status.
 
 The parts that may be endless are those a `$ref` names (only a reference makes a schema
 infinite); each is judged as a context-free grammar's productive symbols are, from the
-ones seen to end upwards, until nothing more changes. The nesting is bounded by the
-longest chain of references that meets no part twice (llguidance compiles a target the
-first time it meets it, and refers to it after): within a cycle, at most all its parts,
-or, where a few parts ("hubs", such as the one union every node type of pydantic's refers
-back to) take every cycle through them, each hub once and a chain among the others
-between each two. What is not a local reference
-(`#...`, within the schema or the resource its nearest `$id` begins) is not judged.
+ones seen to end upwards, a part judged again once one it refers to is seen to end. A part
+is judged with what a value of it is held to besides: its allOf's parts and its $ref's
+target, and theirs (the keys they require, their properties' schemas, the least number of
+properties or items), as it is compiled (`rawserve.worker.grammars.compilable`: objects
+closed). A reference leads by a JSON pointer, an anchor (`$anchor`, an older draft's
+`"$id": "#name"`) or a URI, resolved against the `$id`s of the resources it is in.
+
+The nesting is bounded by the longest chain of references that meets no part twice
+(llguidance compiles a target the first time it meets it, and refers to it after): within
+a cycle, at most all its parts, or, where a few parts ("hubs", such as the one union every
+node type of pydantic's refers back to) take every cycle through them, each hub once and a
+chain among the others between each two.
+
+Not judged (llguidance lets a model begin them, and fails steps later): a reference to
+what is not within the schema, or relative to a base that is no hierarchical URI (a
+`urn:`); a required property held by a `patternProperties` pattern Python's `re` cannot
+read (`\\p{L}`); parts that each end alone but not together (an allOf of two schemas of a
+property that no value satisfies both of). Keywords llguidance refuses in any case
+(`contains`, `dependentRequired`, `dependentSchemas`, `if`...) need no judging.
 """
 
 from __future__ import annotations
@@ -27,11 +39,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urldefrag, urljoin
 
 from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
 
 Path = tuple[str | int, ...]  # where a part lies in the whole schema
+ANCHOR = re.compile(r"[A-Za-z_][-A-Za-z0-9._]*")  # an anchor's name (JSON Schema's)
+SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a URI's, before its first ":"
 
 # The keywords whose values are schemas, as JSON Schema has them: one, a list of them, or
 # them by name. Only these are walked (a client's own keyword holds data: 200,000 zeros
@@ -55,6 +69,8 @@ ONE = frozenset(
 LISTED = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
 NAMED = frozenset({"properties", "patternProperties", "dependentSchemas"})
 DEFINITIONS = frozenset({"$defs", "definitions"})
+# what a part beside a $ref may add to its target that can leave no value of finite length
+HOLDING = frozenset({"allOf", "type", "required", "minProperties", "minItems", "properties"})
 # the work the judgement may take (parts looked at), about a second at most: a schema
 # past it is refused, as too large to judge (not judged, a deep one took the worker down)
 BUDGET = 200_000
@@ -105,6 +121,8 @@ class Judgement:
         self.refers: dict[Path, list[Path]] = {(): []}  # the targets a part refers to
         self.levels: dict[Path, int] = {(): 1}  # ... and its own levels of subschemas
         self.left = BUDGET
+        self.merging: set[int] = set()  # the parts being judged with what they are held to
+        self._index()
         self._find_references()
 
     def endless(self) -> Fault | None:
@@ -177,38 +195,107 @@ class Judgement:
                 return False
         if "const" in part or "enum" in part:
             return True  # (a value given: finite)
-        types = part.get("type")
-        if isinstance(types, str):
-            types = [types]
-        if not isinstance(types, list):
+        if target is not None and not HOLDING & part.keys():
+            return True  # (its target, seen to end, and nothing more)
+        if id(part) in self.merging:
+            return True  # (within its own judgement: not judged twice over)
+        # what else it is held to: its allOf's parts and its $ref's target (and theirs), an
+        # object's required keys and its properties' schemas in any of them
+        self.merging.add(id(part))
+        try:
+            held = self.conjuncts(part)
+            return self._held_can_end(held, ends)
+        finally:
+            self.merging.discard(id(part))
+
+    def _held_can_end(self, held: list[dict[str, Any]], ends: dict[Path, bool]) -> bool:
+        kinds: set[str] | None = None
+        for each in held:
+            types = each.get("type")
+            if isinstance(types, str | list):
+                stated = {types} if isinstance(types, str) else set(map(str, types))
+                kinds = stated if kinds is None else kinds & stated
+        if kinds is None:
             return True  # any type: a number would do
-        return any(self._type_can_end(kind, part, ends) for kind in types)
+        return any(self._type_can_end(kind, held, ends) for kind in kinds)
+
+    def conjuncts(self, part: dict[str, Any]) -> list[dict[str, Any]]:
+        """`part` and the schemas a value of it is held to besides: its allOf's parts, its
+        $ref's target, and theirs in turn."""
+        found: list[dict[str, Any]] = []
+        seen: set[int] = set()
+        pending: list[Any] = [part]
+        while pending:
+            each = pending.pop()
+            if not isinstance(each, dict) or id(each) in seen:
+                continue
+            self._spend()
+            seen.add(id(each))
+            found.append(each)
+            every = each.get("allOf")
+            if isinstance(every, list):
+                pending.extend(every)
+            target = self.targets.get(id(each))
+            if target is not None:
+                pending.append(part_at(self.schema, target))
+        return found
 
     def _any_ends(self, branches: list[Any], ends: dict[Path, bool]) -> bool:
         return any(self.can_end(each, ends) for each in branches)
 
-    def _type_can_end(self, kind: Any, part: dict[str, Any], ends: dict[Path, bool]) -> bool:
+    def _type_can_end(self, kind: str, held: list[dict[str, Any]], ends: dict[Path, bool]) -> bool:
         if kind == "object":
-            required = part.get("required")
-            required = required if isinstance(required, list) else []
-            return all(
-                self.can_end(each, ends)
-                for name in required
+            required = {
+                name
+                for each in held
+                if isinstance(each.get("required"), list)
+                for name in each["required"]
                 if isinstance(name, str)
-                for each in property_schemas(part, name)
-            )
-        if kind == "array":
-            least = part.get("minItems", 0)
-            if not isinstance(least, int) or least <= 0:
+            }
+            if not all(self._property_can_end(name, held, ends) for name in required):
+                return False
+            least = max((count(each.get("minProperties")) for each in held), default=0)
+            if least <= len(required):
                 return True
-            prefix = part.get("prefixItems")
-            items = part.get("items", True)
-            if isinstance(items, list):  # (the older form of prefixItems)
-                prefix, items = items, part.get("additionalItems", True)
-            prefix = prefix if isinstance(prefix, list) else []
-            needed = prefix[:least] + ([items] if least > len(prefix) else [])
-            return all(self.can_end(each, ends) for each in needed)
+            if any(self._open(each, ends) for each in held):
+                return True  # (keys of its own: as many as it needs)
+            listed = {
+                name
+                for each in held
+                if isinstance(each.get("properties"), dict)
+                for name in each["properties"]
+            }
+            ending = [name for name in listed if self._property_can_end(name, held, ends)]
+            return len(ending) >= least
+        if kind == "array":
+            least = max((count(each.get("minItems")) for each in held), default=0)
+            if least <= 0:
+                return True
+            for each in held:
+                prefix = each.get("prefixItems")
+                items = each.get("items", True)
+                if isinstance(items, list):  # (the older form of prefixItems)
+                    prefix, items = items, each.get("additionalItems", True)
+                prefix = prefix if isinstance(prefix, list) else []
+                needed = prefix[:least] + ([items] if least > len(prefix) else [])
+                if not all(self.can_end(item, ends) for item in needed):
+                    return False
         return True
+
+    def _property_can_end(
+        self, name: str, held: list[dict[str, Any]], ends: dict[Path, bool]
+    ) -> bool:
+        return all(
+            self.can_end(schema, ends) for each in held for schema in property_schemas(each, name)
+        )
+
+    def _open(self, part: dict[str, Any], ends: dict[Path, bool]) -> bool:
+        """Whether an object of `part` may hold keys it does not list (patterns' taken as
+        letting some in: not judged)."""
+        if part.get("patternProperties"):
+            return True
+        extra = part.get("additionalProperties", True)
+        return extra is not False and self.can_end(extra, ends)
 
     def _find_references(self) -> None:
         """Each local reference an answer may reach, from the root through the parts
@@ -216,19 +303,22 @@ class Judgement:
         each part (the root, or a target) refers to directly, and its levels. A walk of
         its own, not Python's recursion: a chain of references runs thousands deep."""
         # (a part, where it is, its level within the root or target it is in, that root
-        # or target, and its resource's path and "$id")
-        waiting: list[tuple[Any, Path, int, Path, Path, Any]] = [(self.schema, (), 0, (), (), None)]
+        # or target, and its resource's path and base URI)
+        root_base = self.bases[()]
+        waiting: list[tuple[Any, Path, int, Path, Path, str]] = [
+            (self.schema, (), 0, (), (), root_base)
+        ]
         while waiting:
-            part, path, level, node, resource, resource_id = waiting.pop()
+            part, path, level, node, resource, base = waiting.pop()
             self._spend()
             if not isinstance(part, dict):
                 continue
             self.levels[node] = max(self.levels[node], level + 1)
             if begins_resource(part):
-                resource, resource_id = path, part["$id"]
+                resource, base = path, self.bases.get(path, base)
             reference = part.get("$ref")
-            if isinstance(reference, str) and reference.startswith("#"):
-                target = within(self.schema, resource, reference)
+            if isinstance(reference, str):
+                target = self.resolve(base, resource, reference)
                 if target is not None:
                     self.targets[id(part)] = target
                     self.refers[node].append(target)
@@ -238,19 +328,64 @@ class Judgement:
                         begins, begins_id = resource_of(self.schema, target)
                         self.resources[target] = begins_id
                         at = part_at(self.schema, target)
-                        waiting.append((at, target, 0, target, begins, begins_id))
+                        begins_base = self.bases.get(begins, root_base)
+                        waiting.append((at, target, 0, target, begins, begins_base))
             below = level + 1
             for key, value in part.items():
                 if key in ONE and isinstance(value, dict):
-                    waiting.append((value, (*path, key), below, node, resource, resource_id))
+                    waiting.append((value, (*path, key), below, node, resource, base))
                 elif key in LISTED and isinstance(value, list):
                     for index, each in enumerate(value):
                         at_path = (*path, key, index)
-                        waiting.append((each, at_path, below, node, resource, resource_id))
+                        waiting.append((each, at_path, below, node, resource, base))
                 elif key in NAMED and isinstance(value, dict):
                     for name, each in value.items():
                         at_path = (*path, key, name)
-                        waiting.append((each, at_path, below, node, resource, resource_id))
+                        waiting.append((each, at_path, below, node, resource, base))
+
+    def _index(self) -> None:
+        """Where each resource (`$id`, resolved against the one it is in) and each anchor
+        (`$anchor`, an older draft's `"$id": "#name"`) is, walking every subschema, those
+        under "$defs" too."""
+        given = self.schema.get("$id") if isinstance(self.schema, dict) else None
+        root_base = given if isinstance(given, str) and not given.startswith("#") else ""
+        self.bases: dict[Path, str] = {(): root_base}  # each resource's base URI
+        self.uris: dict[str, Path] = {root_base: ()}
+        self.anchors: dict[tuple[str, str], Path] = {}
+        waiting: list[tuple[Any, Path, str]] = [(self.schema, (), root_base)]
+        while waiting:
+            part, path, base = waiting.pop()
+            self._spend()
+            if not isinstance(part, dict):
+                continue
+            if path and begins_resource(part):
+                base = joined(base, part["$id"])
+                self.bases[path] = base
+                self.uris.setdefault(urldefrag(base).url, path)
+            for name in anchors_of(part):
+                self.anchors.setdefault((base, name), path)
+            for key, value in part.items():
+                if key in ONE and isinstance(value, dict):
+                    waiting.append((value, (*path, key), base))
+                elif key in LISTED and isinstance(value, list):
+                    waiting += [(each, (*path, key, i), base) for i, each in enumerate(value)]
+                elif (key in NAMED or key in DEFINITIONS) and isinstance(value, dict):
+                    waiting += [(each, (*path, key, name), base) for name, each in value.items()]
+
+    def resolve(self, base: str, resource: Path, reference: str) -> Path | None:
+        """Where `reference`, met within the resource at `resource` (its base URI `base`),
+        leads: a JSON pointer or an anchor within it, or within another resource by its
+        URI; None where it leads nowhere known (not judged)."""
+        if reference.startswith("#"):
+            uri, fragment, at = base, reference[1:], resource
+        else:
+            uri, fragment = urldefrag(joined(base, reference))
+            if (found := self.uris.get(uri)) is None:
+                return None
+            at = found
+        if not fragment or fragment.startswith("/"):
+            return within(self.schema, at, "#" + fragment)
+        return self.anchors.get((uri, unquote(fragment)))
 
     def _spend(self) -> None:
         self.left -= 1
@@ -413,6 +548,24 @@ def most_connected(
     return max(cycle, key=lambda node: into[node] * sum(t in within for t in inner[node]))
 
 
+def anchors_of(part: dict[str, Any]) -> list[str]:
+    """The names `part` is given as an anchor: its `$anchor`, an older draft's `"$id":
+    "#name"` (draft 4's `"id"`)."""
+    names = [part["$anchor"]] if isinstance(part.get("$anchor"), str) else []
+    for keyword in ("$id", "id"):
+        given = part.get(keyword)
+        if isinstance(given, str) and given.startswith("#"):
+            names.append(given[1:])
+    return [name for name in names if ANCHOR.fullmatch(name)]
+
+
+def joined(base: str, reference: str) -> str:
+    """`reference` resolved against the base URI `base` ("": the schema gives none)."""
+    if not base or SCHEME.match(reference):
+        return reference
+    return urljoin(base, reference)
+
+
 def begins_resource(part: dict[str, Any]) -> bool:
     """Whether `part` begins a resource of its own: an `$id` other than a fragment (an
     older draft's `"$id": "#name"` names a part, its base unchanged)."""
@@ -452,6 +605,14 @@ def resource_of(schema: Any, path: Path) -> tuple[Path, Any]:
         if isinstance(part, dict) and begins_resource(part):
             begins, identifier = path[: depth + 1], part["$id"]
     return begins, identifier
+
+
+def count(value: Any) -> int:
+    """A count keyword's value (`minItems`, `minProperties`) as a number, 0 where it is
+    not one (an integral float, `1.0`, is that integer, as JSON takes it)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0
+    return int(value) if value == value and abs(value) != float("inf") else 0
 
 
 def part_at(schema: Any, path: Path) -> Any:

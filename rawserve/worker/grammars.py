@@ -406,7 +406,9 @@ class Grammars:
             raise ValueError(GRAMMAR_REFUSED + in_words(str(exc))) from None
         # (llguidance's fault would show steps later, after a stream's first tokens, or
         # take the worker down)
-        if grammar["type"] == "json" and (faulty := schema_fault(grammar["value"])):
+        # judged as it is compiled: its annotations left out, its objects closed
+        judged = compilable(grammar["value"]) if grammar["type"] == "json" else None
+        if judged is not None and (faulty := schema_fault(judged)):
             raise ValueError(GRAMMAR_REFUSED + faulty.words)
         pristine, opening = self._matcher(self._held(text, grammar))
         # a format it does not know (or uniqueItems), alone, is an annotation (else the
