@@ -210,3 +210,15 @@ def test_a_schema_is_judged_as_it_is_compiled():
     then failed; the judgement looked at it open."""
     endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "minProperties": 1}
     assert "no answer can complete it" in refusal({"type": "json", "value": endless})
+
+
+def test_a_count_written_as_an_integral_float_is_that_integer():
+    """JSON's 1.0 is 1: llguidance refused `"minItems": 1.0` ("Expected positive integer
+    for 'minItems', got 1.0")."""
+    counted = {"type": "array", "items": {"type": "integer"}, "minItems": 1.0, "maxItems": 2.0}
+    grammar = {"type": "json", "value": counted}
+    assert holds(grammar, "[1, 2]")
+    assert not holds(grammar, "[]") and not holds(grammar, "[1, 2, 3]")
+    named = {"type": "string", "minLength": 2.0, "maxLength": 3.0}
+    assert holds({"type": "json", "value": named}, '"ab"')
+    assert not holds({"type": "json", "value": named}, '"a"')

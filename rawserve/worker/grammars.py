@@ -144,6 +144,11 @@ KEYWORDS = frozenset(
         *("writeOnly", "examples", "format", "contentEncoding", "contentMediaType"),
     }
 )
+# the keywords whose value is a count: an integer, which JSON may write as 1.0
+COUNTS = frozenset(
+    {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"}
+    | {"minContains", "maxContains"}
+)
 OPTIONS = "x-guidance"  # llguidance's own, at the root: how the JSON is laid out
 # the keywords whose values are schemas, for the walk that drops annotations (all of them:
 # what is under "not" too)
@@ -165,10 +170,14 @@ def compilable(schema: Any) -> Any:
 def without_annotations(schema: Any) -> Any:
     """`schema` without the keys of its subschemas that are not JSON Schema's keywords
     (nor `deprecated`, `contentSchema`); a property's name is a name, whatever it is
-    (a property named "discriminator" stays), and data (`const`, `enum`) is as written."""
+    (a property named "discriminator" stays), and data (`const`, `enum`) is as written.
+    A count written as an integral float (`"minItems": 1.0`) is that integer."""
     if not isinstance(schema, dict):
         return schema
     bare = {key: value for key, value in schema.items() if key in KEYWORDS}
+    for keyword in COUNTS & bare.keys():  # (JSON's 1.0 is 1; llguidance refused it)
+        if isinstance(bare[keyword], float) and bare[keyword].is_integer():
+            bare[keyword] = int(bare[keyword])
     for keyword in EVERY_ONE & bare.keys():
         bare[keyword] = without_annotations(bare[keyword])
     for keyword in SUBSCHEMA_LISTS & bare.keys():
