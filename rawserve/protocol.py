@@ -759,6 +759,12 @@ class HttpProtocol(asyncio.Protocol):
     def _write_answer(
         self, cycle: Cycle, response: HttpResponse, pieces: list[bytes | None]
     ) -> None:
+        if self.transport is None or self.transport.is_closing():
+            # its client's FIN closed the connection before this answer was ready (the
+            # next of pipelined requests): nothing of it reaches the client, whose access
+            # line and count say so, as nginx's 499, not the 200 it was never sent
+            self._log_access(cycle, CLIENT_CLOSED, 0)
+            return
         self._write_all(pieces)  # one send for the whole answer
         # the body's bytes sent, as nginx logs them: none to a HEAD request
         self._log_access(cycle, response.status, 0 if cycle.is_head else len(response.body))

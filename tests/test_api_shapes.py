@@ -567,7 +567,12 @@ AGREEMENT = [
     ("SIMILARITY", {"inputs": {"source_sentence": "a"}}, False),
     ("SIMILARITY", {"inputs": {"source_sentence": 5, "sentences": ["b"]}}, False),
     ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": "b"}}, False),
-    ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b"], "x": 1}}, False),
+    ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b"], "x": 1}}, True),  # TEI
+    (
+        "INFERENCE_SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"], "x": 1}},
+        False,
+    ),
     ("SIMILARITY", {"inputs": ["a", "b"]}, False),
     (
         "SIMILARITY",

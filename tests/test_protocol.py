@@ -571,6 +571,29 @@ async def test_a_client_that_leaves_cancels_its_request(server, caplog):
     assert '"GET /slow" 499 0 ' in line and line.endswith("gone-1")
 
 
+async def test_an_answer_ready_after_its_clients_fin_closed_the_connection_is_a_499(server, caplog):
+    """Pipelined requests, then the client's FIN: the transport closes once what was
+    written is sent, and an answer ready after that reaches nobody. It was logged (and
+    counted) as the 200 it was never sent."""
+    app, protocol, transport = server
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        protocol.data_received(
+            b"GET /fast HTTP/1.1\r\nHost: a\r\nX-Request-Id: r-0\r\n\r\n"
+            b"GET /slow HTTP/1.1\r\nHost: a\r\nX-Request-Id: r-1\r\n\r\n"
+        )
+        await settle()
+        assert count_responses(transport.written) == 1
+        assert not protocol.eof_received()  # falsy: the transport closes itself
+        transport.closed = True
+        app.release.set()  # /slow's answer is ready now, into a closing transport
+        await settle()
+        protocol.connection_lost(None)
+    assert count_responses(transport.written) == 1
+    lines = [record.getMessage() for record in caplog.records]
+    assert ['"GET /fast" 200' in lines[0], '"GET /slow" 499 0 ' in lines[1]] == [True, True]
+    assert len(lines) == 2 and lines[1].endswith("r-1")
+
+
 @pytest.mark.parametrize(
     "sent",
     [
