@@ -65,6 +65,33 @@ def test_a_lone_item_nobody_waits_for_any_more_holds_the_cores_no_longer():
     assert (held, after) == (0, 1) and woken  # the scheduler is told a worker is free
 
 
+def test_a_lone_item_holds_the_cores_for_a_bounded_time_then_the_others_take_the_queue(
+    monkeypatch,
+):
+    """A worker stopped from outside (SIGSTOP, a debugger) or hung with its one item kept
+    the model's other worker idle until --batch-timeout (120 s), every request meanwhile a
+    504 though that worker could answer in milliseconds; a very long lone input likewise.
+    The hold ends by itself, and the scheduler is told a worker is free when it does."""
+    import asyncio
+
+    from rawserve.serving import pool
+
+    monkeypatch.setattr(pool, "MOST_HOLD_SECONDS", 0.05)
+
+    async def scenario() -> tuple[int, int, bool]:
+        shared = executor()
+        shared._loop = asyncio.get_running_loop()
+        woken: list[bool] = []
+        shared.on_idle = lambda: woken.append(True)
+        assert start(shared, 0, size=1) == 4
+        held = shared.idle_workers()
+        await asyncio.sleep(0.1)  # the stopped worker's item is still "running"
+        return held, shared.idle_workers(), bool(woken)
+
+    held, after, woken = asyncio.run(scenario())
+    assert (held, after) == (0, 1) and woken
+
+
 def test_a_lone_item_while_another_worker_is_busy_gets_its_share_only():
     shared = executor()
     start(shared, 0, size=8)

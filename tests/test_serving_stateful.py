@@ -43,7 +43,12 @@ from rawserve.serving.handles import WorkerHandle
 from rawserve.serving.pool import WorkerPool
 from rawserve.serving.refusals import Reason, Refused
 from rawserve.serving.status import WorkerState
-from rawserve.serving.supervision import CRASHED_ALONE, CRASHED_MID_STREAM, TIMED_OUT
+from rawserve.serving.supervision import (
+    CRASHED_ALONE,
+    CRASHED_MID_STREAM,
+    STOPPED_MID_STREAM,
+    TIMED_OUT,
+)
 from rawserve.shared.messages import (
     NO_CONTROL,
     Batch,
@@ -71,7 +76,7 @@ KINDS = {  # a request's parameters, and how many inputs it may have
 }
 BATCH_TIMEOUT = 4.0
 # what supervision answers for an input in place of the model
-SUPERVISION_OUTPUTS = (CRASHED_ALONE, CRASHED_MID_STREAM, TIMED_OUT)
+SUPERVISION_OUTPUTS = (CRASHED_ALONE, CRASHED_MID_STREAM, STOPPED_MID_STREAM, TIMED_OUT)
 ADMISSION_REASONS = {Reason.QUEUE_FULL, Reason.DEADLINE_UNREACHABLE, Reason.NEVER_ADMISSIBLE}
 TOKEN = {"id": 1, "text": "a", "logprob": 0.0, "special": False}
 
@@ -828,11 +833,12 @@ def test_a_continuous_worker_that_died_frees_no_rows_for_a_burst(loaded):
     serving.check()
 
 
-@pytest.mark.parametrize("death", ["crashed", "hung"])
+@pytest.mark.parametrize("death", ["crashed", "hung", "stopped"])
 def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_others(loaded, death):
     """Of the sequences a worker dies with, a stream whose tokens reached its client fails
     mid-stream (run again, its client would get its first tokens twice), even where the
-    others run again side by side; killed as hung, with the batch timeout's error."""
+    others run again side by side; killed as hung, with the batch timeout's error; killed
+    as stopped from outside (SIGSTOP), saying so, not that the worker crashed."""
     serving = loaded(kind="continuous", max_batch_size=1)
     worker = serving.pool.workers[0]
     streamed = serving.arrive(["s"], {"max_new_tokens": 8}, timeout=300.0, stream=True)
@@ -841,6 +847,9 @@ def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_othe
     serving.stream_a_token(worker, batch)
     if death == "crashed":
         serving.crash(worker)
+    elif death == "stopped":
+        worker.stopped = True  # (as the batch timeout's look at /proc found it)
+        serving.crash(worker)
     else:
         serving.advance(2 * BATCH_TIMEOUT)  # no decoding step ends: killed
         serving.reap(worker)
@@ -848,7 +857,7 @@ def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_othe
     serving.load(worker)
     assert sorted(batch.inputs for _, _, batch in serving.answerable()) == [("a",), ("b",)]
     assert streamed.outcome == "results"
-    failure = CRASHED_MID_STREAM if death == "crashed" else TIMED_OUT
+    failure = {"crashed": CRASHED_MID_STREAM, "stopped": STOPPED_MID_STREAM}.get(death, TIMED_OUT)
     assert streamed.ends[0][1][0].output == failure
     while serving.answerable():
         serving.answer(*serving.answerable()[0])

@@ -60,6 +60,7 @@ from rawserve.serving.supervision import (
     MAX_FAILED_RESTARTS,
     NOT_RUN,
     REFUSED_POISON,
+    STOPPED_MID_STREAM,
     TIMED_OUT,
     Held,
     LostBatch,
@@ -100,6 +101,11 @@ BATCH_TIMEOUT = 120.0  # seconds a batch may run before its worker is killed
 SECOND_LEAD_SHARE = 0.25
 SECOND_LEAD_SECONDS = 0.002
 RUN_MEMORY = 0.8  # weight a worker's batch time average keeps of its past per batch
+# seconds a lone item on every core holds the model's other CPU workers back, at most:
+# past it (a worker stopped from outside or hung, with --batch-timeout far off, or a long
+# input) they take the queue, a thread too many meanwhile, rather than stay idle (a
+# stopped worker's one item kept the other idle, and every request 504, for 120 s)
+MOST_HOLD_SECONDS = 2.0
 
 
 class DropCounter(Protocol):
@@ -142,6 +148,8 @@ class WorkerPool(PoolReports):
         self.share_cores = share_cores
         self.core_share = core_share or CoreShare()
         self._all_cores: WorkerHandle | None = None  # running a lone item on every core
+        self._all_cores_since = 0.0
+        self._hold_ends: asyncio.TimerHandle | None = None  # when it holds them no longer
         self._context = multiprocessing.get_context("spawn")
         # what to do when a worker dies is the supervisor's to say; this pool does it
         self.max_failed_restarts = max_failed_restarts
@@ -424,14 +432,24 @@ class WorkerPool(PoolReports):
 
     def _holding_cores(self) -> bool:
         """A lone item runs on every core: the other CPU workers wait until it is done,
-        or until nobody waits for it (a hung or slow batch answered 504 must not keep
-        the others idle for as long as it runs)."""
+        until nobody waits for it (a hung or slow batch answered 504 must not keep the
+        others idle for as long as it runs), or MOST_HOLD_SECONDS at most."""
         holder = self._all_cores
         return (
             holder is not None
             and holder.state is WorkerState.BUSY
             and not (holder.job is not None and holder.job.abandoned)
+            and self.clock() - self._all_cores_since < MOST_HOLD_SECONDS
         )
+
+    def _hold(self, worker: WorkerHandle) -> None:
+        """`worker`'s lone item takes every core; the queue is looked at again when its
+        hold ends by itself (no answer or new request may come meanwhile)."""
+        self._all_cores, self._all_cores_since = worker, self.clock()
+        if self._hold_ends is not None:
+            self._hold_ends.cancel()
+        if self._loop is not None:  # (started)
+            self._hold_ends = self._loop.call_later(MOST_HOLD_SECONDS, self._pump)
 
     def _send(self, worker: WorkerHandle, job: Job) -> None:
         state = worker.state
@@ -497,7 +515,7 @@ class WorkerPool(PoolReports):
         if worker.config.handler:
             return threads
         if every_core:
-            self._all_cores = worker
+            self._hold(worker)
         elif self._all_cores is worker:
             self._all_cores = None
         return threads
@@ -1030,7 +1048,8 @@ class WorkerPool(PoolReports):
             not_run(job)
             return
         if lost is LostBatch.FAIL_MID_STREAM:
-            outputs = (CRASHED_MID_STREAM,) * len(job.inputs)
+            lost_by = STOPPED_MID_STREAM if worker.stopped else CRASHED_MID_STREAM
+            outputs = (lost_by,) * len(job.inputs)
             job.answer(BatchResult(job.batch_id, outputs, 0.0))
         elif lost is LostBatch.RETRY_ALONE:
             self._retry_alone(job, worker.index)

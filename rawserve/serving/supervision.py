@@ -58,6 +58,10 @@ REFUSED_POISON = ItemFailure(
 CRASHED_MID_STREAM = ItemFailure(
     FailureKind.INTERNAL, "the model worker crashed while streaming this answer"
 )
+STOPPED_MID_STREAM = ItemFailure(  # (SIGSTOP, a debugger: no crash of the model's)
+    FailureKind.INTERNAL,
+    "the model worker was stopped from outside while streaming this answer, and killed",
+)
 NOT_RUN = ItemFailure(  # nobody waits for it any more: not run again after a crash
     FailureKind.INTERNAL, "this input was not run again after a crash: nobody waits for it"
 )
@@ -66,7 +70,14 @@ TIMED_OUT = ItemFailure(
 )
 # What items no finished model call answered (lost with their worker, or never run):
 # a batch of only these is no batch the model ran, for its size and time histograms
-NOT_COMPUTED = (REFUSED_POISON, NOT_RUN, CRASHED_ALONE, CRASHED_MID_STREAM, TIMED_OUT)
+NOT_COMPUTED = (
+    REFUSED_POISON,
+    NOT_RUN,
+    CRASHED_ALONE,
+    CRASHED_MID_STREAM,
+    STOPPED_MID_STREAM,
+    TIMED_OUT,
+)
 
 
 @dataclass
