@@ -9,11 +9,12 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from rawserve.serving.pool import WorkerPool
-from rawserve.serving.processes import join_or_kill
+from rawserve.serving.processes import join_or_kill, let_go, take_exit_code
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 from tests.tiny_models import worker_config
 
@@ -78,6 +79,24 @@ async def test_a_model_that_cannot_load_is_reported(tmp_path):
     with pytest.raises(RuntimeError):
         await asyncio.wait_for(executor.wait_ready(), 120)
     await executor.shutdown(wait=False)
+
+
+def test_a_dead_workers_pipe_and_process_are_let_go_as_its_restart_begins():
+    """Left to the garbage collector, the last process's batch pipe and exit sentinel
+    (a reference cycle held them) stayed open: two descriptors more at each restart of a
+    worker, 39 to 77 over 25 restarts, until a full collection ran."""
+    context = multiprocessing.get_context("fork")
+    process = context.Process(target=time.sleep, args=(0,))
+    process.start()
+    process.join()
+    reading, writing = context.Pipe(duplex=False)
+    worker = SimpleNamespace(process=process, conn=writing)
+    let_go(worker)  # type: ignore[arg-type]
+    assert worker.process is None and worker.conn is None and writing.closed
+    with pytest.raises(ValueError, match="closed"):
+        process.is_alive()
+    take_exit_code(process)  # (its exit, read late by the pidfd's reader: no error)
+    reading.close()
 
 
 def test_a_process_waited_for_twice_at_once_is_never_called_killed():

@@ -23,6 +23,7 @@ def start_process(context: SpawnContext, worker: WorkerHandle) -> tuple[BaseProc
     """Start `worker`'s process (setting its process, its batch pipe and its stream to
     stop); the read end of its replies, non-blocking, is returned. Where it cannot (out of
     file descriptors or processes), the pipes it opened are closed and the error raised."""
+    let_go(worker)
     opened: list[Connection] = []
     try:
         batches_in, batches_out = context.Pipe(duplex=False)
@@ -74,6 +75,18 @@ def _reap_lock(process: BaseProcess) -> threading.Lock:
         return _reaping.setdefault(process, threading.Lock())
 
 
+def let_go(worker: WorkerHandle) -> None:
+    """Close the pipe and the exit sentinel of `worker`'s last process, which has exited
+    and been reaped: left to the garbage collector, two descriptors of each restart
+    stayed open (a reference cycle held them) until a full collection."""
+    if worker.conn is not None:
+        worker.conn.close()
+        worker.conn = None
+    if worker.process is not None and worker.process.exitcode is not None:
+        worker.process.close()
+        worker.process = None  # (should the new one not start, none is named)
+
+
 def take_exit_code(process: BaseProcess) -> None:
     """Reap `process`, which has exited (its pidfd said so), now: a join waits on its
     sentinel, a pipe that a child of its may hold. In turn with `join_or_kill` (a thread
@@ -82,6 +95,8 @@ def take_exit_code(process: BaseProcess) -> None:
     if lock.acquire(blocking=False):
         try:
             process.exitcode  # noqa: B018 - polled (waitpid) for its side effect
+        except ValueError:  # closed: reaped, and let go of as its restart began
+            pass
         finally:
             lock.release()
 
