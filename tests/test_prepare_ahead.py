@@ -89,6 +89,22 @@ def test_what_cannot_be_prepared_is_left_to_the_model_thread(runners):
         embedder.run(too_long, {"truncate": False})
 
 
+def test_counting_a_long_texts_tokens_warns_of_no_indexing_error(runners):
+    """The worker counts a text's tokens whole (for the server's estimate) and the model
+    reads it cut: transformers' warning of "indexing errors" for a sequence past the
+    model's length reached the operator's log, of something that never happens."""
+    import copy
+
+    runner = runners["sentence-embedding"]
+    tokenizer = copy.deepcopy(runner.tokenizer)  # (its warnings once each: none given yet)
+    tokenizer.deprecation_warnings.clear()
+    tokenizer.model_max_length = 512  # (as the packaged MiniLM's says)
+    (counted,) = runner.count_tokens(["word " * 2000], tokenizer)
+    assert counted > 2000
+    # (transformers' loggers do not propagate to the root: what it warned, it notes here)
+    assert not [key for key in tokenizer.deprecation_warnings if "sequence-length" in key]
+
+
 def test_two_threads_tokenizing_at_once_each_get_their_own_answer(runners):
     """The model thread and the preparing thread tokenize at the same time, with different
     truncation sides: each must see its own settings (they are a tokenizer's state)."""

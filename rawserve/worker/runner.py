@@ -487,7 +487,7 @@ class Runner:
         tokenizer = tokenizer or self.tokenizer
         if tokenizer is None or not all(isinstance(value, str) for value in inputs):
             return None
-        return [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
+        return [len(ids) for ids in tokenizer(inputs, truncation=False, verbose=False)["input_ids"]]
 
     def refuse_unreadable(
         self, ids: Any, tokenizer: Any = None, holder: str = "the input holds"
