@@ -6,7 +6,7 @@ import re
 import pytest
 
 from rawserve.tasks.text_generation import TOOL_RESOURCE
-from rawserve.worker import endless_schemas
+from rawserve.worker import endless_schemas, schema_chains
 from rawserve.worker.endless_schemas import MOST_NESTED_LEVELS, schema_fault
 
 
@@ -243,7 +243,7 @@ def test_the_bound_on_nesting_is_never_below_the_longest_chain_met_once(monkeypa
     references that meets no part twice, on small graphs of every shape: never below."""
     import random
 
-    monkeypatch.setattr(endless_schemas, "MOST_NESTED_LEVELS", 0)  # (always looked into)
+    monkeypatch.setattr(schema_chains, "MOST_NESTED_LEVELS", 0)  # (always looked into)
     chosen = random.Random(7)
     for _ in range(3000):
         nodes = [(), *((f"d{i}",) for i in range(chosen.randint(1, 7)))]
@@ -255,7 +255,7 @@ def test_the_bound_on_nesting_is_never_below_the_longest_chain_met_once(monkeypa
             below = [longest_met_once(t, met | {t}) for t in refers[node] if t not in met]
             return levels[node] + max(below, default=0)
 
-        bound = endless_schemas.longest_chain(refers, levels, lambda: None)
+        bound = schema_chains.longest_chain(refers, levels, lambda: None)
         assert bound >= longest_met_once((), {()}), (refers, levels)
 
 

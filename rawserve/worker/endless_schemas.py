@@ -20,10 +20,8 @@ closed). A reference leads by a JSON pointer, an anchor (`$anchor`, an older dra
 `"$id": "#name"`) or a URI, resolved against the `$id`s of the resources it is in.
 
 The nesting is bounded by the longest chain of references that meets no part twice
-(llguidance compiles a target the first time it meets it, and refers to it after): within
-a cycle, at most all its parts, or, where a few parts ("hubs", such as the one union every
-node type of pydantic's refers back to) take every cycle through them, each hub once and a
-chain among the others between each two.
+(rawserve.worker.schema_chains); references are resolved as
+rawserve.worker.schema_references says.
 
 Not judged (llguidance lets a model begin them, and fails steps later): a reference to
 what is not within the schema, or relative to a base that is no hierarchical URI (a
@@ -36,16 +34,21 @@ property that no value satisfies both of). Keywords llguidance refuses in any ca
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urldefrag, urljoin
+from urllib.parse import unquote, urldefrag
 
 from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
-
-Path = tuple[str | int, ...]  # where a part lies in the whole schema
-ANCHOR = re.compile(r"[A-Za-z_][-A-Za-z0-9._]*")  # an anchor's name (JSON Schema's)
-SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a URI's, before its first ":"
+from rawserve.worker.schema_chains import MOST_NESTED_LEVELS, longest_chain
+from rawserve.worker.schema_references import (
+    Path,
+    anchors_of,
+    begins_resource,
+    joined,
+    part_at,
+    resource_of,
+    within,
+)
 
 # The keywords whose values are schemas, as JSON Schema has them: one, a list of them, or
 # them by name. Only these are walked (a client's own keyword holds data: 200,000 zeros
@@ -74,18 +77,6 @@ HOLDING = frozenset({"allOf", "type", "required", "minProperties", "minItems", "
 # the work the judgement may take (parts looked at), about a second at most: a schema
 # past it is refused, as too large to judge (not judged, a deep one took the worker down)
 BUDGET = 200_000
-# The most levels of subschemas followed through references, each part's own levels
-# summed along a chain of them that meets no part twice (`longest_chain`): pydantic's nest
-# tens; llguidance compiles a reference's target within its referrer's, and overflowed its
-# stack (SIGSEGV) at 1,000 references of two levels each, and at 250 of twenty (600 of
-# two, 120 of eleven compiled; a union of 1,000 node types each referring back to it, in
-# 0.2 s).
-MOST_NESTED_LEVELS = 512
-# how many times the parts most referred to and referring are taken out of a cycle, each
-# time from each cycle left, to find its hubs (`cycle_span`): pydantic's shapes have one
-# or two; a cycle that needs more is counted whole
-HUB_ROUNDS = 4
-MOST_HUB_WORK = 10_000  # references within a cycle: past it, not looked into for hubs
 
 
 class OverBudget(Exception):
@@ -415,207 +406,9 @@ def property_schemas(part: dict[str, Any], name: str) -> list[Any]:
     return [extra] if isinstance(extra, dict) else []
 
 
-def longest_chain(
-    refers: dict[Path, list[Path]], levels: dict[Path, int], spend: Callable[[], None]
-) -> int:
-    """The most levels in a chain of references from the root (`()`) through `refers`,
-    each part's `levels` summed. llguidance compiles a reference's target within its
-    referrer's the first time it meets it, and never again: what it nests is a chain of
-    references that meets no part twice. Within a cycle (several parts each reached from
-    each other) such a chain is bounded by `cycle_span`; the cycles are then summed along
-    the references between them. `spend`: called for each step of the work."""
-    nodes = [()] + [node for node in refers if node != ()]
-    cycles = components(nodes, refers, spend)
-    cycle_of = {node: index for index, members in enumerate(cycles) for node in members}
-    spans = [cycle_span(members, refers, levels, spend) for members in cycles]
-    longest = [0] * len(cycles)
-    for here, members in enumerate(cycles):  # (each after those that refer to it)
-        longest[here] = max(longest[here], spans[here])
-        for node in members:
-            for target in refers.get(node, []):
-                spend()
-                there = cycle_of[target]
-                if there != here:
-                    longest[there] = max(longest[there], longest[here] + spans[there])
-    return max(longest)
-
-
-def components(
-    nodes: list[Path], refers: dict[Path, list[Path]], spend: Callable[[], None]
-) -> list[list[Path]]:
-    """The cycles of the graph of `nodes` and the references among them (`refers`, those to
-    other nodes left out), each a list of its parts (a part in no cycle alone), in an order
-    that puts each after those that refer to it: Kosaraju's two passes, walks of their own
-    (not Python's recursion: a chain of references runs thousands deep)."""
-    among = set(nodes)
-    order: list[Path] = []
-    seen: set[Path] = set()
-    for first in nodes:  # the first pass: the parts by when their walk ended
-        if first in seen:
-            continue
-        seen.add(first)
-        stack: list[tuple[Path, int]] = [(first, 0)]
-        while stack:
-            node, next_edge = stack.pop()
-            edges = refers.get(node, [])
-            spend()
-            if next_edge < len(edges):
-                stack.append((node, next_edge + 1))
-                target = edges[next_edge]
-                if target in among and target not in seen:
-                    seen.add(target)
-                    stack.append((target, 0))
-            else:
-                order.append(node)
-    referred: dict[Path, list[Path]] = {node: [] for node in nodes}
-    for node in nodes:
-        for target in refers.get(node, []):
-            if target in among:
-                referred[target].append(node)
-    cycle_of: dict[Path, int] = {}
-    cycles: list[list[Path]] = []
-    for start in reversed(order):  # the second pass, on the references reversed
-        if start in cycle_of:
-            continue
-        cycle_of[start] = len(cycles)
-        members, pending = [start], [start]
-        while pending:
-            for source in referred[pending.pop()]:
-                spend()
-                if source not in cycle_of:
-                    cycle_of[source] = len(cycles)
-                    members.append(source)
-                    pending.append(source)
-        cycles.append(members)
-    return cycles
-
-
-def cycle_span(
-    members: list[Path],
-    refers: dict[Path, list[Path]],
-    levels: dict[Path, int],
-    spend: Callable[[], None],
-) -> int:
-    """The most levels a chain of references within the cycle `members` may nest, meeting
-    no part twice: at most all of them; and where some parts ("hubs") take every cycle
-    through them, as the one union definition every node type of pydantic's refers back
-    to, the hubs once each, and a chain among the others between each two of them (the
-    others, the hubs left out, hold no cycle: their longest chain is summed directly).
-    The hubs are found greedily, the part most referred to and referring taken first."""
-    total = sum(levels[node] for node in members)
-    edges = sum(len(refers.get(node, [])) for node in members)
-    if len(members) == 1 or total <= MOST_NESTED_LEVELS or edges > MOST_HUB_WORK:
-        return total  # (a bound within the most nested decides nothing more)
-    enough = min(total, MOST_NESTED_LEVELS + 1)  # (a bound past this decides nothing)
-    left = set(members)
-    hubs: list[Path] = []
-    for rounds in range(HUB_ROUNDS + 1):
-        inner = {
-            node: [t for t in refers.get(node, []) if t in left and t != node] for node in left
-        }
-        cycles = [cycle for cycle in components(list(left), inner, spend) if len(cycle) > 1]
-        if not cycles:
-            break
-        if rounds == HUB_ROUNDS or sum(levels[hub] for hub in hubs) >= enough:
-            return total  # (no hubs as few as that)
-        for cycle in cycles:
-            hub = most_connected(cycle, inner, spend)
-            left.discard(hub)
-            hubs.append(hub)
-    # the others hold no cycle now: their longest chain, each after those that refer to it
-    chain = 0
-    longest = dict.fromkeys(left, 0)
-    for (node,) in components(list(left), inner, spend):
-        longest[node] += levels[node]
-        chain = max(chain, longest[node])
-        for target in inner[node]:
-            spend()
-            longest[target] = max(longest[target], longest[node])
-    return min(total, sum(levels[hub] for hub in hubs) + (len(hubs) + 1) * chain)
-
-
-def most_connected(
-    cycle: list[Path], inner: dict[Path, list[Path]], spend: Callable[[], None]
-) -> Path:
-    """The part of `cycle` most referred to and referring within it."""
-    within = set(cycle)
-    into = dict.fromkeys(cycle, 0)
-    for node in cycle:
-        for target in inner[node]:
-            spend()
-            if target in within:
-                into[target] += 1
-    return max(cycle, key=lambda node: into[node] * sum(t in within for t in inner[node]))
-
-
-def anchors_of(part: dict[str, Any]) -> list[str]:
-    """The names `part` is given as an anchor: its `$anchor`, an older draft's `"$id":
-    "#name"` (draft 4's `"id"`)."""
-    names = [part["$anchor"]] if isinstance(part.get("$anchor"), str) else []
-    for keyword in ("$id", "id"):
-        given = part.get(keyword)
-        if isinstance(given, str) and given.startswith("#"):
-            names.append(given[1:])
-    return [name for name in names if ANCHOR.fullmatch(name)]
-
-
-def joined(base: str, reference: str) -> str:
-    """`reference` resolved against the base URI `base` ("": the schema gives none)."""
-    if not base or SCHEME.match(reference):
-        return reference
-    return urljoin(base, reference)
-
-
-def begins_resource(part: dict[str, Any]) -> bool:
-    """Whether `part` begins a resource of its own: an `$id` other than a fragment (an
-    older draft's `"$id": "#name"` names a part, its base unchanged)."""
-    identifier = part.get("$id")
-    return isinstance(identifier, str) and not identifier.startswith("#")
-
-
-def within(schema: Any, resource: Path, reference: str) -> Path | None:
-    """Where the JSON pointer `reference` ("#/$defs/x") leads from `resource`; None where
-    it leads nowhere (or is an anchor's name, not a pointer)."""
-    pointer = unquote(reference[1:])
-    if pointer and not pointer.startswith("/"):
-        return None
-    path: Path = resource
-    part = part_at(schema, resource)
-    for step in pointer.split("/")[1:]:
-        key = step.replace("~1", "/").replace("~0", "~")
-        if isinstance(part, dict) and key in part:
-            part, path = part[key], (*path, key)
-        elif isinstance(part, list) and key.isdigit() and int(key) < len(part):
-            part, path = part[int(key)], (*path, int(key))
-        else:
-            return None
-    return path
-
-
-def resource_of(schema: Any, path: Path) -> tuple[Path, Any]:
-    """Where the resource holding the part at `path` begins (its nearest `$id`), and that
-    `$id` (None: the whole schema's, which has none)."""
-    begins: Path = ()
-    identifier = None
-    part = schema
-    if isinstance(part, dict) and begins_resource(part):
-        identifier = part["$id"]
-    for depth, step in enumerate(path):
-        part = part[step]
-        if isinstance(part, dict) and begins_resource(part):
-            begins, identifier = path[: depth + 1], part["$id"]
-    return begins, identifier
-
-
 def count(value: Any) -> int:
     """A count keyword's value (`minItems`, `minProperties`) as a number, 0 where it is
     not one (an integral float, `1.0`, is that integer, as JSON takes it)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return 0
     return int(value) if value == value and abs(value) != float("inf") else 0
-
-
-def part_at(schema: Any, path: Path) -> Any:
-    for step in path:
-        schema = schema[step]
-    return schema
