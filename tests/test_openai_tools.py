@@ -399,7 +399,7 @@ def test_a_calls_arguments_take_only_the_parameters_listed():
 
 
 def test_objects_are_closed_where_their_schema_leaves_additional_properties_out():
-    from rawserve.worker.grammars import closed_objects
+    from rawserve.worker.schema_rewrites import closed_objects
 
     item = {"properties": {"a": {}}}
     schema = {

@@ -15,7 +15,7 @@ infinite); each is judged as a context-free grammar's productive symbols are, fr
 ones seen to end upwards, a part judged again once one it refers to is seen to end. A part
 is judged with what a value of it is held to besides: its allOf's parts and its $ref's
 target, and theirs (the keys they require, their properties' schemas, the least number of
-properties or items), as it is compiled (`rawserve.worker.grammars.compilable`: objects
+properties or items), as it is compiled (`rawserve.worker.schema_rewrites.compilable`: objects
 closed). A reference leads by a JSON pointer, an anchor (`$anchor`, an older draft's
 `"$id": "#name"`) or a URI, resolved against the `$id`s of the resources it is in.
 
