@@ -546,7 +546,7 @@ async def test_a_models_own_openai_route_refuses_in_openais_shape(path, message)
     assert json.loads(answer.body)["error"]["message"].startswith(message)
 
 
-@pytest.mark.parametrize("route", ["/v1/models", "/v1/embeddings", "/v1/nothing"])
+@pytest.mark.parametrize("route", ["/v1/models", "/v1/embeddings", "/v1/nothing", "/v1"])
 async def test_a_models_own_base_url_answers_another_route_in_openais_shape(route):
     """An SDK given `/models/gen/v1` as its base URL and asked for a route that base URL
     does not serve (`models.list()`) is told so in OpenAI's object, which is all it reads:
@@ -560,7 +560,7 @@ async def test_a_models_own_base_url_answers_another_route_in_openais_shape(rout
         error = json.loads(refused.body)["error"]
         assert error["type"] == "not_found_error"
         assert error["message"].startswith(f"no route for /models/gen{route}"), error
-        assert "/v1/chat/completions" in error["message"]
+        assert "serves chat/completions, completions, responses" in error["message"]
     # a model not served keeps its own 404, naming the served ones (rawserve's shape)
     with pytest.raises(ModelNotFound, match="no model named 'nope/v1/models'"):
         app.answer_now(HttpRequest("GET", "/models/nope/v1/models", "", [], b"", request_id="t"))

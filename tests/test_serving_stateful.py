@@ -717,6 +717,27 @@ def test_inputs_run_again_after_a_crash_wait_for_their_worker_while_the_other_se
     serving.check()
 
 
+def test_inputs_lost_with_a_worker_stopped_from_outside_run_on_the_other_at_once(loaded):
+    """A worker stopped from outside (SIGSTOP, a debugger) and killed for it was no
+    input's doing: what it held runs on the idle worker, not after its restart (a lone
+    item waited 4 s for it beside the idle one, and a drain restarted it to run that)."""
+    serving = loaded(workers=2, max_batch_size=4)
+    serving.load(serving.pool.workers[1])
+    lost = serving.arrive(["x", "y"], {}, timeout=30.0)
+    ((stopped, _, _),) = serving.answerable()
+    (other,) = [w for w in serving.pool.workers if w is not stopped]
+    stopped.stopped = True  # (as the batch timeout's look at /proc found it)
+    serving.crash(stopped)
+    ran = []
+    while serving.answerable():
+        ((worker, conn, batch),) = serving.answerable()
+        assert worker is other, "waited for the stopped worker's restart"
+        ran.append(batch.inputs)
+        serving.answer(worker, conn, batch)
+    assert sorted(ran) == [("x",), ("y",)] and lost.outcome == "results"
+    serving.check()
+
+
 @pytest.mark.parametrize("said", [False, True])
 def test_inputs_waiting_for_a_worker_that_fails_to_restart_run_on_another(loaded, said):
     """They waited for it out to their deadlines (504 at 15 s), the other worker idle.

@@ -165,10 +165,11 @@ class App:
     def is_model_base_url(self, request: HttpRequest) -> bool:
         """A path under a model's own OpenAI base URL (`/models/<name>/v1/...`) that is
         no route: its client is the openai SDK, which reads only OpenAI's error object."""
-        name, _, route = request.path.removeprefix(MODELS_PREFIX).partition("/v1/")
+        after = request.path.removeprefix(MODELS_PREFIX)
+        name = after.removesuffix("/v1") if after.endswith("/v1") else after.partition("/v1/")[0]
         return (
             request.path.startswith(MODELS_PREFIX)
-            and bool(route)
+            and name != after
             and request.path not in self.routes
             and name in self.models.names
         )
@@ -222,10 +223,10 @@ class App:
             if preflight:
                 model = self.models.default
             elif self.is_model_base_url(request):
-                served = ", ".join(MODEL_GENERATION_PATHS)
+                served = ", ".join(path.removeprefix("/v1/") for path in MODEL_GENERATION_PATHS)
                 raise NotFound(
-                    f"no route for {request.path}: a model's own base URL "
-                    f"(/models/<name>/v1) serves {served}"
+                    f"no route for {request.path}: a text-generation model's own base URL "
+                    f"(/models/<name>/v1) serves {served}; every other route is /v1's"
                 ) from None
             else:
                 raise

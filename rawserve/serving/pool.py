@@ -662,7 +662,8 @@ class WorkerPool(PoolReports):
             # monitoring probe's fixed text for an hour)
             log.error(
                 "worker %s: its process %s is stopped (SIGSTOP, a debugger), its batch held "
-                "over %g s%s; killing it: its work runs again once it is back",
+                "over %g s%s; killing it: its work runs again on the first worker free (a "
+                "stream already begun ends with an error)",
                 worker.label,
                 worker.pid,
                 self.batch_timeout,
@@ -981,7 +982,9 @@ class WorkerPool(PoolReports):
         together = self._together(sequences)
         for lost in sequences:
             if lost in together:  # (a Job is equal to itself alone)
-                again = replace(lost, watchdog=None, rerun=True, home=worker.index, together=True)
+                again = replace(
+                    lost, watchdog=None, rerun=True, home=home_of(worker), together=True
+                )
                 self._retries.append(again)
             elif worker.hung and not (lost.abandoned or lost.cancelled):
                 self._after_hang(worker, lost, len(sequences))
@@ -1052,7 +1055,7 @@ class WorkerPool(PoolReports):
             outputs = (lost_by,) * len(job.inputs)
             job.answer(BatchResult(job.batch_id, outputs, 0.0))
         elif lost is LostBatch.RETRY_ALONE:
-            self._retry_alone(job, worker.index)
+            self._retry_alone(job, home_of(worker))
         elif lost is LostBatch.RUN_AGAIN_ALONE:
             log.warning(
                 "worker %s: an input running alone crashed the worker%s; running it alone "
@@ -1062,7 +1065,7 @@ class WorkerPool(PoolReports):
                 self.poison.strikes,
                 extra=request_named(job),
             )
-            self._retries.append(replace(job, watchdog=None, home=worker.index))
+            self._retries.append(replace(job, watchdog=None, home=home_of(worker)))
         else:
             self._say_quarantined(worker, job, "crashed")
             if self.metrics is not None:
@@ -1137,6 +1140,14 @@ class WorkerPool(PoolReports):
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
+
+
+def home_of(worker: WorkerHandle) -> int | None:
+    """Where the work a dead worker held runs again: on that worker once it is back (an
+    input that crashed it would take another down too), or on any where it was stopped
+    from outside (no input's doing: a lone item waited 4 s for its restart beside an
+    idle worker, and a drain restarted the worker to run it)."""
+    return None if worker.stopped else worker.index
 
 
 def server_kill(worker: WorkerHandle, exitcode: int | None, was_loading: bool) -> str | None:
