@@ -97,7 +97,7 @@ def held_by_each_other(b_type: object) -> dict:
             {"type": "object", "properties": {"a": {"enum": [{"$ref": "#"}]}}, "required": ["a"]},
             None,
         ),
-        # a JSON pointer's escapes; an anchor's name is not judged
+        # a JSON pointer's escapes
         (
             {
                 "$defs": {"a/b": NODE | {"properties": {"c": {"$ref": "#/$defs/a~1b"}}}},
@@ -105,7 +105,6 @@ def held_by_each_other(b_type: object) -> dict:
             },
             "#/$defs/a~1b",
         ),
-        ({"$ref": "#top"}, None),
         # a property required and held by the additional properties' or a pattern's schema
         ({"type": "object", "required": ["x"], "additionalProperties": {"$ref": "#"}}, "#"),
         (
@@ -151,6 +150,75 @@ def test_a_reference_within_a_resource_is_to_that_resources_root():
     fault = schema_fault({"anyOf": [call, {"type": "integer"}]})
     assert fault is not None  # named as the function's (several tools: which one)
     assert "\"#/$defs/n\" in the parameters' schema of function 'bad' has no" in fault.words
+
+
+def spelled_chain(length: int, root_id: str | None, refer: str, ids: str | None = None) -> dict:
+    """A chain of `length` $defs each referring to the next as `refer` spells it ("{n}":
+    the next's name), the root's `$id` `root_id`, each part's `$id` as `ids` spells it."""
+    parts = {
+        f"d{i}": {
+            **({"$id": ids.format(n=f"d{i}")} if ids else {}),
+            "type": "object",
+            "properties": {"n": {"$ref": refer.format(n=f"d{i + 1}")}},
+        }
+        for i in range(length)
+    }
+    parts[f"d{length}"] = {
+        **({"$id": ids.format(n=f"d{length}")} if ids else {}),
+        "type": "integer",
+    }
+    schema = {"$defs": parts, "$ref": refer.format(n="d0")}
+    return schema if root_id is None else {"$id": root_id, **schema}
+
+
+@pytest.mark.parametrize(
+    ("root_id", "refer", "ids"),
+    [
+        ("http://example.com/root.json#", "http://example.com/root.json#/$defs/{n}", None),
+        ("http://example.com/root.json#", "root.json#/$defs/{n}", None),
+        (None, "json-schema:///#/$defs/{n}", None),
+        (None, "/#/$defs/{n}", None),
+        ("https://example.com/root", "HTTPS://EXAMPLE.com/root#/$defs/{n}", None),
+        ("https://example.com/root", "https://example.com/x/../root#/$defs/{n}", None),
+        ("https://example.com/root", "https://example.com/r%6Fot#/$defs/{n}", None),
+        (None, "{n}.json", "./{n}.json"),
+    ],
+)
+def test_references_are_followed_as_llguidance_follows_them(root_id, refer, ids):
+    """A tester's: references llguidance follows and the judgement did not (it compared
+    URIs as written, against no base), a chain of 1,000 accepted unjudged, then SIGSEGV.
+    They are resolved as llguidance resolves them (against json-schema:///, normalised, a
+    root `$id` without its "#"), judged, and the deep ones refused."""
+    assert schema_fault(spelled_chain(20, root_id, refer, ids)) is None
+    fault = schema_fault(spelled_chain(1000, root_id, refer, ids))
+    assert fault is not None and "its subschemas nest" in fault.words, fault
+
+
+@pytest.mark.parametrize(
+    "reference",
+    [
+        "#top",  # no such anchor
+        "#/$defs/nowhere",
+        "https://example.com/other.json#/$defs/d1",
+        "file:///etc/passwd",
+        "urn:example:elsewhere#/$defs/d1",
+    ],
+)
+def test_a_reference_the_judgement_cannot_follow_is_refused(reference):
+    """What the judgement cannot follow may be what llguidance follows (and a chain of them
+    took the worker down): never accepted unjudged, refused in the client's words."""
+    schema = {"$id": "https://example.com/root.json", "$defs": {"d1": NODE}, "$ref": reference}
+    fault = schema_fault(schema)
+    assert fault is not None, reference
+    assert fault.words == (
+        f"the schema refers to {reference!r}, outside it: a $ref is followed only within "
+        "the schema (a JSON pointer, an anchor, or an $id it gives)"
+    )
+    parameters = {"$id": TOOL_RESOURCE + "f", "properties": {"q": {"$ref": reference}}}
+    fault = schema_fault({"type": "object", "properties": {"arguments": parameters}})
+    assert fault is not None and fault.words.startswith(
+        f"the parameters' schema of function 'f' refers to {reference!r}"
+    )
 
 
 def test_a_schema_past_the_work_allowed_is_refused_as_too_large_to_judge(monkeypatch):

@@ -23,11 +23,14 @@ The nesting is bounded by the longest chain of references that meets no part twi
 (rawserve.worker.schema_chains); references are resolved as
 rawserve.worker.schema_references says.
 
-Not judged (llguidance lets a model begin them, and fails steps later): a reference to
-what is not within the schema, or relative to a base that is no hierarchical URI (a
-`urn:`); a required property held by a `patternProperties` pattern Python's `re` cannot
-read (`\\p{L}`); parts that each end alone but not together (an allOf of two schemas of a
-property that no value satisfies both of). Keywords llguidance refuses in any case
+A reference the judgement cannot follow within the schema is refused: llguidance may
+follow one it does not (a chain of 1,000 through URIs written another way took the worker
+down), and fetches no document elsewhere.
+
+Not judged (llguidance lets a model begin them, and fails steps later): a required
+property held by a `patternProperties` pattern Python's `re` cannot read (`\\p{L}`);
+parts that each end alone but not together (an allOf of two schemas of a property that
+no value satisfies both of). Keywords llguidance refuses in any case
 (`contains`, `dependentRequired`, `dependentSchemas`, `if`...) need no judging.
 """
 
@@ -36,11 +39,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urldefrag
+from urllib.parse import unquote
 
 from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
 from rawserve.worker.schema_chains import MOST_NESTED_LEVELS, longest_chain
 from rawserve.worker.schema_references import (
+    DEFAULT_BASE,
     Path,
     anchors_of,
     begins_resource,
@@ -48,6 +52,7 @@ from rawserve.worker.schema_references import (
     part_at,
     resource_of,
     within,
+    without_fragment,
 )
 
 # The keywords whose values are schemas, as JSON Schema has them: one, a list of them, or
@@ -95,7 +100,7 @@ def schema_fault(schema: Any) -> Fault | None:
     too deep, too much to judge); None where nothing does."""
     try:
         judgement = Judgement(schema)
-        return judgement.too_deep() or judgement.endless()
+        return judgement.astray() or judgement.too_deep() or judgement.endless()
     except OverBudget:
         return Fault(
             f"the schema is too large to judge: its references reach more than {BUDGET:,} "
@@ -113,6 +118,8 @@ class Judgement:
         self.levels: dict[Path, int] = {(): 1}  # ... and its own levels of subschemas
         self.left = BUDGET
         self.merging: set[int] = set()  # the parts being judged with what they are held to
+        # the first reference an answer may reach that leads nowhere known, and its base
+        self.unresolved: tuple[str, str] | None = None
         self._index()
         self._find_references()
 
@@ -147,6 +154,18 @@ class Judgement:
             "items, or a $ref alone leads back to it)"
         )
 
+    def astray(self) -> Fault | None:
+        """A reference the judgement cannot follow: refused, as what was not judged may be
+        one llguidance follows (a chain of 1,000 through URIs it normalises took the worker
+        down) or one it refuses (a document elsewhere, never fetched)."""
+        if self.unresolved is None:
+            return None
+        reference, base = self.unresolved
+        return Fault(
+            f"{self.whose(base)} refers to {reference!r}, outside it: a $ref is followed only "
+            "within the schema (a JSON pointer, an anchor, or an $id it gives)"
+        )
+
     def too_deep(self) -> Fault | None:
         deepest = longest_chain(self.refers, self.levels, self._spend)
         if deepest <= MOST_NESTED_LEVELS:
@@ -160,13 +179,17 @@ class Judgement:
     def named(self, target: Path) -> str:
         """The part at `target` as a client names it: its reference, and whose it is."""
         reference, resource = self.written[target], self.resources.get(target)
-        if isinstance(resource, str) and resource.startswith(TOOL_RESOURCE):
-            whose = f"the parameters' schema of function {resource.removeprefix(TOOL_RESOURCE)!r}"
-        elif resource == FORMAT_RESOURCE:
-            whose = "the response_format's schema"
-        else:
-            whose = "the schema"
+        whose = self.whose(resource)
         return whose if reference == "#" else f'"{reference}" in {whose}'
+
+    @staticmethod
+    def whose(resource: Any) -> str:
+        """The schema a resource's `$id` names, as a client names it."""
+        if isinstance(resource, str) and resource.startswith(TOOL_RESOURCE):
+            return f"the parameters' schema of function {resource.removeprefix(TOOL_RESOURCE)!r}"
+        if resource == FORMAT_RESOURCE:
+            return "the response_format's schema"
+        return "the schema"
 
     def can_end(self, part: Any, ends: dict[Path, bool]) -> bool:
         """Whether some JSON of finite length satisfies `part`, the references' targets
@@ -310,6 +333,8 @@ class Judgement:
             reference = part.get("$ref")
             if isinstance(reference, str):
                 target = self.resolve(base, resource, reference)
+                if target is None and self.unresolved is None:
+                    self.unresolved = (reference, base)
                 if target is not None:
                     self.targets[id(part)] = target
                     self.refers[node].append(target)
@@ -338,8 +363,9 @@ class Judgement:
         """Where each resource (`$id`, resolved against the one it is in) and each anchor
         (`$anchor`, an older draft's `"$id": "#name"`) is, walking every subschema, those
         under "$defs" too."""
-        given = self.schema.get("$id") if isinstance(self.schema, dict) else None
-        root_base = given if isinstance(given, str) and not given.startswith("#") else ""
+        root_base = DEFAULT_BASE
+        if isinstance(self.schema, dict) and begins_resource(self.schema):  # ("...root.json#")
+            root_base = without_fragment(joined(DEFAULT_BASE, self.schema["$id"]))
         self.bases: dict[Path, str] = {(): root_base}  # each resource's base URI
         self.uris: dict[str, Path] = {root_base: ()}
         self.anchors: dict[tuple[str, str], Path] = {}
@@ -350,9 +376,9 @@ class Judgement:
             if not isinstance(part, dict):
                 continue
             if path and begins_resource(part):
-                base = joined(base, part["$id"])
+                base = without_fragment(joined(base, part["$id"]))
                 self.bases[path] = base
-                self.uris.setdefault(urldefrag(base).url, path)
+                self.uris.setdefault(base, path)
             for name in anchors_of(part):
                 self.anchors.setdefault((base, name), path)
             for key, value in part.items():
@@ -370,7 +396,7 @@ class Judgement:
         if reference.startswith("#"):
             uri, fragment, at = base, reference[1:], resource
         else:
-            uri, fragment = urldefrag(joined(base, reference))
+            uri, _, fragment = joined(base, reference).partition("#")
             if (found := self.uris.get(uri)) is None:
                 return None
             at = found

@@ -1,17 +1,28 @@
 """Where a JSON schema's references lead: JSON pointers, anchors (`$anchor`, an older
 draft's `"$id": "#name"`) and URIs resolved against the `$id`s of the resources they are
-in, each part named by its path in the whole schema.
+in, each part named by its path in the whole schema. URIs are resolved and compared as
+llguidance does (RFC 3986): against `json-schema:///` where the schema names no base,
+normalised (scheme and host in lower case, dot segments removed, percent-escapes of
+unreserved characters decoded), a root `$id` without its fragment ("...root.json#").
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import unquote, urljoin
+from urllib.parse import unquote
 
 Path = tuple[str | int, ...]  # where a part lies in the whole schema
 ANCHOR = re.compile(r"[A-Za-z_][-A-Za-z0-9._]*")  # an anchor's name (JSON Schema's)
-SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a URI's, before its first ":"
+# llguidance's base URI for a schema that names none: "/#/$defs/x" and
+# "json-schema:///#/$defs/x" lead into the schema as "#/$defs/x" does
+DEFAULT_BASE = "json-schema:///"
+# a URI reference's parts (RFC 3986, appendix B): scheme, authority, path, query, fragment
+PARTS = re.compile(
+    r"(?:([A-Za-z][A-Za-z0-9+.-]*):)?(?://([^/?#]*))?([^?#]*)(?:\?([^#]*))?(?:#(.*))?", re.S
+)
+ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 
 
 def anchors_of(part: dict[str, Any]) -> list[str]:
@@ -26,10 +37,83 @@ def anchors_of(part: dict[str, Any]) -> list[str]:
 
 
 def joined(base: str, reference: str) -> str:
-    """`reference` resolved against the base URI `base` ("": the schema gives none)."""
-    if not base or SCHEME.match(reference):
-        return reference
-    return urljoin(base, reference)
+    """`reference` resolved against the absolute URI `base` (RFC 3986, 5.2), normalised."""
+    scheme, authority, path, query, fragment = split(reference)
+    if scheme is None:
+        base_scheme, base_authority, base_path, base_query, _ = split(base)
+        scheme = base_scheme
+        if authority is None:
+            if not path:
+                path, authority = base_path, base_authority
+                query = base_query if query is None else query
+            else:
+                if not path.startswith("/"):
+                    if base_authority is not None and not base_path:
+                        path = "/" + path
+                    else:
+                        path = base_path[: base_path.rfind("/") + 1] + path
+                authority = base_authority
+    return normalised(scheme, authority, without_dots(path), query, fragment)
+
+
+def split(uri: str) -> tuple[str | None, str | None, str, str | None, str | None]:
+    found = PARTS.fullmatch(uri)
+    assert found is not None  # (every part is optional: any text matches)
+    scheme, authority, path, query, fragment = found.groups()
+    return scheme, authority, path, query, fragment
+
+
+def normalised(
+    scheme: str | None, authority: str | None, path: str, query: str | None, fragment: str | None
+) -> str:
+    """A URI from its parts, as llguidance compares them: scheme and host in lower case,
+    percent-escapes of unreserved characters decoded (the others' digits in upper case)."""
+    text = f"{scheme.lower()}:" if scheme is not None else ""
+    if authority is not None:
+        user, at, host = authority.rpartition("@")
+        text += "//" + unescaped(user + at + host.lower())
+    text += unescaped(path)
+    if query is not None:
+        text += "?" + unescaped(query)
+    if fragment is not None:
+        text += "#" + unescaped(fragment)
+    return text
+
+
+def unescaped(text: str) -> str:
+    def one(found: re.Match[str]) -> str:
+        character = chr(int(found[1], 16))
+        return character if character in UNRESERVED else found[0].upper()
+
+    return ESCAPE.sub(one, text)
+
+
+def without_dots(path: str) -> str:
+    """`path` without its "." and ".." segments (RFC 3986, 5.2.4)."""
+    out: list[str] = []
+    while path:
+        if path.startswith("../"):
+            path = path[3:]
+        elif path.startswith(("./", "/./")):
+            path = path[2:]
+        elif path == "/.":
+            path = "/"
+        elif path.startswith("/../") or path == "/..":
+            path = "/" + path[4:]
+            if out:
+                out.pop()
+        elif path in (".", ".."):
+            path = ""
+        else:
+            cut = path.find("/", 1)
+            cut = len(path) if cut < 0 else cut
+            out.append(path[:cut])
+            path = path[cut:]
+    return "".join(out)
+
+
+def without_fragment(uri: str) -> str:
+    return uri.partition("#")[0]
 
 
 def begins_resource(part: dict[str, Any]) -> bool:
