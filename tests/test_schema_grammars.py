@@ -110,6 +110,37 @@ def test_a_property_named_as_an_annotation_is_a_property():
     assert not holds(grammar, '{"discriminator": 1, "nullable": {}}')
 
 
+def test_a_key_a_reference_points_into_is_kept():
+    """OpenAPI's tool schemas keep their parts under "components" ("#/components/schemas/
+    Pet"), others under a key of their own ("#/x-defs/A"): dropped as annotations, the
+    schema was refused ("Pointer '/components/schemas/Pet' does not exist"). Such a key
+    stays, holding only what pointers lead to, and the schemas it holds are compiled (and
+    judged) as those under "$defs": their annotations dropped, their objects closed."""
+    pet = {
+        "type": "object",
+        "nullable": True,  # (OpenAPI's: an annotation, and beside a recursive one refused)
+        "properties": {
+            "n": {"type": "integer"},
+            "kids": {"type": "array", "items": {"$ref": "#/components/schemas/Pet", "x-a": 1}},
+        },
+        "required": ["n"],
+    }
+    components = {"schemas": {"Pet": pet}, "responses": {"x": {"description": "..."}}}
+    schema = {"type": "object", "properties": {"pet": {"$ref": "#/components/schemas/Pet"}}}
+    grammar = {"type": "json", "value": {**schema, "required": ["pet"], "components": components}}
+    assert holds(grammar, '{"pet": {"n": 1, "kids": [{"n": 2}]}}')
+    assert not holds(grammar, '{"pet": {"n": "a"}}')
+    assert not holds(grammar, '{"pet": {"n": 1, "other": 2}}')  # (closed, as $defs' are)
+    endless = {**pet, "required": ["n", "kids"], "properties": {"kids": {"$ref": "#/x-defs/A"}}}
+    grammar = {"type": "json", "value": {"$ref": "#/x-defs/A", "x-defs": {"A": endless}}}
+    assert "no answer can complete it" in refusal(grammar)  # (judged)
+    named = {"type": "object", "properties": {"a": {"$ref": "#/x-defs/A"}}, "required": ["a"]}
+    parameters = {**named, "x-defs": {"A": {"type": "integer"}}}
+    tools = Tools([{"name": "f", "parameters": parameters}], "f")
+    assert holds(tools.grammar(), '{"name": "f", "arguments": {"a": 1}}')
+    assert not holds(tools.grammar(), '{"name": "f", "arguments": {"a": "b"}}')
+
+
 def parameters_with(own_id: str, x: dict[str, Any], **more: Any) -> dict[str, Any]:
     properties = {"v": {"$ref": "#/$defs/x"}, **more}
     return {"$id": own_id, "type": "object", "$defs": {"x": x}, "properties": properties}

@@ -4,9 +4,12 @@ llguidance could take for constraints, its counts integers, its objects closed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from rawserve.worker.endless_schemas import DEFINITIONS, LISTED, NAMED
+from rawserve.worker.schema_references import begins_resource
 
 # the keywords whose value is a schema, a list of schemas, or schemas by name
 SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "if", "then", "else")
@@ -49,36 +52,100 @@ EVERY_ONE = frozenset(
 EVERY_MAP = SUBSCHEMA_MAPS | {"dependencies"}  # (an older draft's: schemas, or lists of names)
 
 
+@dataclass
+class Pointed:
+    """Where the schema's JSON pointers lead from a resource's root, step by step: a key
+    that is no keyword stays where a pointer passes through it (OpenAPI's
+    "#/components/schemas/Pet", "#/x-defs/A"), and what it ends at is a schema."""
+
+    steps: dict[str, Pointed] = field(default_factory=dict)
+    ends: bool = False
+
+    def step(self, key: str | int) -> Pointed:
+        return self.steps.get(str(key), NOWHERE)
+
+
+NOWHERE = Pointed()
+
+
+def pointed(schema: Any) -> Pointed:
+    """The steps of every JSON pointer a `$ref` in `schema` gives (its fragment), from the
+    root of a resource (taken together: any resource's keeps a key any pointer names). A
+    walk of its own: a schema nests thousands deep."""
+    root = Pointed()
+    waiting = [schema]
+    while waiting:
+        part = waiting.pop()
+        if isinstance(part, list):
+            waiting += part
+        elif isinstance(part, dict):
+            reference = part.get("$ref")
+            if isinstance(reference, str) and "#/" in reference:
+                here = root
+                for step in unquote(reference.partition("#")[2]).split("/")[1:]:
+                    here = here.steps.setdefault(
+                        step.replace("~1", "/").replace("~0", "~"), Pointed()
+                    )
+                here.ends = True
+            waiting += part.values()
+    return root
+
+
 def compilable(schema: Any) -> Any:
     """`schema` as it is compiled (and judged): without annotations llguidance could take
     for constraints (`KEYWORDS`), its objects closed (`closed_objects`)."""
-    bare = without_annotations(schema)
+    bare = without_annotations(schema, pointed(schema))
     if isinstance(schema, dict) and OPTIONS in schema:
         bare[OPTIONS] = schema[OPTIONS]
     return closed_objects(bare)
 
 
-def without_annotations(schema: Any) -> Any:
+def without_annotations(schema: Any, root: Pointed, here: Pointed | None = None) -> Any:
     """`schema` without the keys of its subschemas that are not JSON Schema's keywords
-    (nor `deprecated`, `contentSchema`); a property's name is a name, whatever it is
-    (a property named "discriminator" stays), and data (`const`, `enum`) is as written.
+    (nor `deprecated`, `contentSchema`), but for those a JSON pointer passes through
+    (`root`: the steps of them all from a resource's root, `here`: from `schema`), whose
+    schemas it leads to lose theirs; a property's name is a name, whatever it is (a
+    property named "discriminator" stays), and data (`const`, `enum`) is as written.
     A count written as an integral float (`"minItems": 1.0`) is that integer."""
     if not isinstance(schema, dict):
         return schema
+    here = root if here is None or begins_resource(schema) else here
     bare = {key: value for key, value in schema.items() if key in KEYWORDS}
+    for key in (here.steps.keys() & schema.keys()) - KEYWORDS:  # (pointed into: kept)
+        bare[key] = pointed_part(schema[key], root, here.steps[key])
     for keyword in COUNTS & bare.keys():  # (JSON's 1.0 is 1; llguidance refused it)
         if isinstance(bare[keyword], float) and bare[keyword].is_integer():
             bare[keyword] = int(bare[keyword])
     for keyword in EVERY_ONE & bare.keys():
-        bare[keyword] = without_annotations(bare[keyword])
+        bare[keyword] = without_annotations(bare[keyword], root, here.step(keyword))
     for keyword in SUBSCHEMA_LISTS & bare.keys():
         if isinstance(bare[keyword], list):
-            bare[keyword] = [without_annotations(each) for each in bare[keyword]]
+            steps = here.step(keyword)
+            listed = enumerate(bare[keyword])
+            bare[keyword] = [without_annotations(each, root, steps.step(i)) for i, each in listed]
     for keyword in EVERY_MAP & bare.keys():
         if isinstance(bare[keyword], dict):
+            steps = here.step(keyword)
             named = bare[keyword].items()
-            bare[keyword] = {name: without_annotations(each) for name, each in named}
+            bare[keyword] = {
+                name: without_annotations(each, root, steps.step(name)) for name, each in named
+            }
     return bare
+
+
+def pointed_part(part: Any, root: Pointed, here: Pointed) -> Any:
+    """What a key no keyword names holds, a JSON pointer passing through it: a schema
+    where one ends (without its annotations), else only what the pointers pass through."""
+    if here.ends:
+        return without_annotations(part, root, here)
+    if isinstance(part, dict):
+        return {
+            key: pointed_part(part[key], root, here.steps[key])
+            for key in here.steps.keys() & part.keys()
+        }
+    if isinstance(part, list):
+        return [pointed_part(each, root, here.step(i)) for i, each in enumerate(part)]
+    return part
 
 
 def closed_objects(schema: Any) -> Any:
@@ -113,7 +180,14 @@ def subschemas(schema: dict[str, Any]) -> list[Any]:
         if isinstance(schema.get(k), dict)
         for each in schema[k].values()
     ]
+    found += [value for key, value in schema.items() if kept_for_pointers(key)]
     return [each for each in found if isinstance(each, dict)]
+
+
+def kept_for_pointers(key: str) -> bool:
+    """Whether a key of a schema as compiled is one kept as a JSON pointer passes
+    through it: after `without_annotations`, any but a keyword and llguidance's options."""
+    return key not in KEYWORDS and key != OPTIONS
 
 
 def closed(schema: Any) -> Any:
@@ -129,6 +203,9 @@ def closed(schema: Any) -> Any:
     for keyword in SUBSCHEMA_MAPS:
         if isinstance(schema.get(keyword), dict):
             schema[keyword] = {name: closed(each) for name, each in schema[keyword].items()}
+    for key, value in schema.items():  # (what a pointer leads to, as "$defs" holds it)
+        if kept_for_pointers(key) and isinstance(value, dict):
+            schema[key] = closed(value)
     listed = schema.get("properties")
     required = schema.get("required", [])
     if (
