@@ -256,3 +256,34 @@ def test_a_count_written_as_an_integral_float_is_that_integer():
     named = {"type": "string", "minLength": 2.0, "maxLength": 3.0}
     assert holds({"type": "json", "value": named}, '"ab"')
     assert not holds({"type": "json", "value": named}, '"a"')
+
+
+@pytest.mark.parametrize("name", ["default", "example", "examples", "enum", "const"])
+def test_a_property_or_definition_named_as_a_data_keyword_is_rebased(name):
+    """A tester's: a tool's references by its `$id` inside a property (or a $defs entry)
+    named "default" were left as written, the `$id` no longer the tool's ("the schema
+    refers to 'https://example.com/order.json', outside it"). Only a schema's own data
+    keywords hold data; a property's or a definition's name is a name."""
+    order = "https://example.com/order.json"
+    money = {"$ref": f"{order}#/$defs/money"}
+    parameters = {
+        "$id": order,
+        "type": "object",
+        "properties": {name: money, "total": {"$ref": f"#/$defs/{name}"}},
+        "$defs": {
+            "money": {"type": "integer"},
+            name: {"type": "object", "properties": {"a": money}},
+        },
+    }
+    tools = Tools([{"name": "f", "parameters": parameters}], "f")
+    assert holds(
+        tools.grammar(), f'{{"name": "f", "arguments": {{"{name}": 1, "total": {{"a": 2}}}}}}'
+    )
+    assert not holds(tools.grammar(), f'{{"name": "f", "arguments": {{"{name}": "x"}}}}')
+    assert not holds(tools.grammar(), '{"name": "f", "arguments": {"total": {"a": "x"}}}')
+    # data is as written: a "$ref" under a schema's own `default` is no reference
+    data = {**parameters, "properties": {"d": {"type": "object", "default": money}}}
+    tools = Tools([{"name": "f", "parameters": data}], "f")
+    assert (
+        tools.grammar()["value"]["properties"]["arguments"]["properties"]["d"]["default"] == money
+    )

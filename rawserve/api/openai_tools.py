@@ -40,6 +40,11 @@ MAX_TOOLS = 128
 ANCHOR_ID = re.compile(r"#[A-Za-z_][-A-Za-z0-9._]*")
 # the keywords of a schema whose values are data, never schemas: a "$ref" in them is data
 DATA = frozenset({"const", "enum", "default", "examples", "example"})
+# the keywords whose values are schemas by name: a name is a name, whatever it is (a
+# property named "default" holds a schema, not data)
+BY_NAME = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
 FUNCTION_NAME = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 
 
@@ -292,9 +297,10 @@ def own_resource(schema: Schema, resource: str) -> Schema:
 
 
 def rebased(part: Any, base: str, root: str, resource: str) -> Any:
-    """`part` of a schema whose root's `$id` was `root`, within the resource `base`
-    begins, its references and `$id`s absolute, those to `root` to `resource` instead (a
-    reference within the resource, `#...`, is left as written: it leads where it led)."""
+    """`part` of a schema (a schema, or a list of them) whose root's `$id` was `root`,
+    within the resource `base` begins, its references and `$id`s absolute, those to `root`
+    to `resource` instead (a reference within the resource, `#...`, is left as written: it
+    leads where it led). What a schema's data keywords hold is data, left as written."""
     if isinstance(part, list):
         return [rebased(each, base, root, resource) for each in part]
     if not isinstance(part, dict):
@@ -309,7 +315,10 @@ def rebased(part: Any, base: str, root: str, resource: str) -> Any:
         whole = resource if target.url == root else target.url
         part["$ref"] = f"{whole}#{target.fragment}" if target.fragment else whole
     for key, value in part.items():
-        if key not in DATA and isinstance(value, dict | list):
+        if key in BY_NAME and isinstance(value, dict):
+            named = value.items()
+            part[key] = {name: rebased(each, base, root, resource) for name, each in named}
+        elif key not in DATA and isinstance(value, dict | list):
             part[key] = rebased(value, base, root, resource)
     return part
 
