@@ -287,3 +287,32 @@ def test_a_property_or_definition_named_as_a_data_keyword_is_rebased(name):
     assert (
         tools.grammar()["value"]["properties"]["arguments"]["properties"]["d"]["default"] == money
     )
+
+
+def test_two_tools_giving_one_nested_id_to_different_schemas_are_refused():
+    """A tester's: two tools' parameters gave "$defs": {"val": {"$id": ".../value.json"}}
+    an integer v in one and a string v in the other; llguidance took them for one
+    resource, and held a call of the first to the second's (its string taken). Refused,
+    naming the `$id`; given alike, it is one schema, and taken."""
+    from rawserve.http.errors import UnprocessableInput
+
+    def parameters(kind: str) -> dict[str, Any]:
+        value = {"$id": "https://example.com/common/value.json", "type": "object"}
+        value |= {"properties": {"v": {"type": kind}}, "required": ["v"]}
+        listed = {"x": {"$ref": "https://example.com/common/value.json"}}
+        return {"type": "object", "properties": listed, "required": ["x"], "$defs": {"val": value}}
+
+    tools = [{"name": "f1", "parameters": parameters("integer")}]
+    both = Tools([*tools, {"name": "f2", "parameters": parameters("string")}], "required")
+    with pytest.raises(UnprocessableInput) as refused:
+        both.grammar()
+    assert refused.value.message.startswith(
+        'the $id "https://example.com/common/value.json" is given to two different schemas '
+        "(in the parameters of function f1, and in the parameters of function f2)"
+    )
+    formatted = Tools(tools, "auto", answer_format=parameters("string"))
+    with pytest.raises(UnprocessableInput, match="function f1, and in the response_format"):
+        formatted.grammar()
+    alike = Tools([*tools, {"name": "f2", "parameters": parameters("integer")}], "required")
+    assert holds(alike.grammar(), '{"name": "f2", "arguments": {"x": {"v": 1}}}')
+    assert not holds(alike.grammar(), '{"name": "f1", "arguments": {"x": {"v": "a"}}}')

@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urldefrag, urljoin
 
 from rawserve.api.routing import DocContext, Schema
-from rawserve.http.errors import BadRequest
+from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
 
 MAX_TOOLS = 128
@@ -128,6 +128,7 @@ class Tools:
             answers.append({"type": "array", "items": call, "minItems": 1})
         if self.choice == "auto":
             answers.append(WORDS if self.answer_format is None else formatted(self.answer_format))
+        one_schema_an_id(answers)
         return {"type": "json", "value": answers[0] if len(answers) == 1 else {"anyOf": answers}}
 
     def message(self, text: str) -> tuple[dict[str, Any], str | None]:
@@ -256,6 +257,57 @@ def cut_call(text: str, names: Sequence[str]) -> dict[str, str] | None:
     if ARGUMENTS_KEY.startswith(after):  # cut in the key: its name is whole all the same
         return {"name": name, "arguments": ""}
     return None
+
+
+def one_schema_an_id(answers: list[Schema]) -> None:
+    """Refuse (422) the answers' schemas where two of their parts give one `$id` to
+    different schemas: llguidance takes them for one resource, and held a call of one tool
+    to another's (its integer taken as the other's string). A tool's own root is its own
+    already (`own_resource`); one part given to several tools alike is one schema."""
+    given: dict[str, tuple[str, Any]] = {}
+    for answer in answers:
+        for uri, part in nested_ids(answer):
+            first, schema = given.setdefault(uri, (whose_part(answer), part))
+            if schema != part:
+                raise UnprocessableInput(
+                    f'the $id "{uri}" is given to two different schemas ({first}, and '
+                    f"{whose_part(answer)}): a grammar takes one resource for both; give "
+                    "each its own $id",
+                    param="tools",
+                )
+
+
+def whose_part(answer: Schema) -> str:
+    arguments = answer.get("properties", {}).get("arguments")
+    if isinstance(arguments, dict) and str(arguments.get("$id", "")).startswith(TOOL_RESOURCE):
+        return f"in the parameters of function {arguments['$id'].removeprefix(TOOL_RESOURCE)}"
+    return "in the response_format"
+
+
+def nested_ids(schema: Schema) -> list[tuple[str, Any]]:
+    """Each part of `schema` beneath a resource's root (rawserve's own: a tool's
+    parameters, a format) that begins a resource of its own (an `$id` not a fragment),
+    its `$id` absolute (`rebased`) and the part as it is compiled."""
+    found: list[tuple[str, Any]] = []
+    waiting: list[tuple[Any, bool]] = [(schema, False)]
+    while waiting:
+        part, nested = waiting.pop()
+        if isinstance(part, list):
+            waiting += [(each, nested) for each in part]
+            continue
+        if not isinstance(part, dict):
+            continue
+        given = part.get("$id")
+        if isinstance(given, str) and given and not given.startswith("#"):
+            if nested and not given.startswith((TOOL_RESOURCE, FORMAT_RESOURCE)):
+                found.append((given, part))
+            nested = True
+        for key, value in part.items():
+            if key in BY_NAME and isinstance(value, dict):
+                waiting += [(each, nested) for each in value.values()]
+            elif key not in DATA:
+                waiting.append((value, nested))
+    return found
 
 
 def call_schema(function: dict[str, Any]) -> Schema:
