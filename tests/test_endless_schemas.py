@@ -194,6 +194,24 @@ def test_references_are_followed_as_llguidance_follows_them(root_id, refer, ids)
     assert fault is not None and "its subschemas nest" in fault.words, fault
 
 
+def test_draft_4s_id_names_a_resource_where_the_schema_is_draft_4s():
+    """llguidance takes draft 4's `id` for `$id` where `$schema` names draft 4: a chain of
+    references by it is followed (and one of 1,000 refused), a short one accepted."""
+    draft4 = "http://json-schema.org/draft-04/schema#"
+
+    def draft4_chain(length: int) -> dict:
+        schema = spelled_chain(length, "http://example.com/root.json", "root.json#/definitions/{n}")
+        schema["definitions"] = schema.pop("$defs")
+        return {"$schema": draft4, "id": schema.pop("$id"), **schema}
+
+    assert schema_fault(draft4_chain(20)) is None
+    fault = schema_fault(draft4_chain(1000))
+    assert fault is not None and "its subschemas nest" in fault.words, fault
+    sub = {"id": "sub.json", "definitions": {"x": {"type": "integer"}}}
+    nested = {"$schema": draft4, "id": "http://example.com/root.json", "definitions": {"s": sub}}
+    assert schema_fault({**nested, "$ref": "http://example.com/sub.json#/definitions/x"}) is None
+
+
 @pytest.mark.parametrize(
     "reference",
     [

@@ -48,6 +48,7 @@ from rawserve.worker.schema_references import (
     Path,
     anchors_of,
     begins_resource,
+    identifying,
     joined,
     part_at,
     resource_of,
@@ -117,6 +118,7 @@ class Judgement:
         self.refers: dict[Path, list[Path]] = {(): []}  # the targets a part refers to
         self.levels: dict[Path, int] = {(): 1}  # ... and its own levels of subschemas
         self.left = BUDGET
+        self.keyword = identifying(schema)  # ("$id", or draft 4's "id")
         self.merging: set[int] = set()  # the parts being judged with what they are held to
         # the first reference an answer may reach that leads nowhere known, and its base
         self.unresolved: tuple[str, str] | None = None
@@ -328,7 +330,7 @@ class Judgement:
             if not isinstance(part, dict):
                 continue
             self.levels[node] = max(self.levels[node], level + 1)
-            if begins_resource(part):
+            if begins_resource(part, self.keyword):
                 resource, base = path, self.bases.get(path, base)
             reference = part.get("$ref")
             if isinstance(reference, str):
@@ -341,7 +343,7 @@ class Judgement:
                     if target not in self.written:
                         self.written[target] = reference
                         self.refers[target], self.levels[target] = [], 1
-                        begins, begins_id = resource_of(self.schema, target)
+                        begins, begins_id = resource_of(self.schema, target, self.keyword)
                         self.resources[target] = begins_id
                         at = part_at(self.schema, target)
                         begins_base = self.bases.get(begins, root_base)
@@ -364,8 +366,9 @@ class Judgement:
         (`$anchor`, an older draft's `"$id": "#name"`) is, walking every subschema, those
         under "$defs" too."""
         root_base = DEFAULT_BASE
-        if isinstance(self.schema, dict) and begins_resource(self.schema):  # ("...root.json#")
-            root_base = without_fragment(joined(DEFAULT_BASE, self.schema["$id"]))
+        root = self.schema
+        if isinstance(root, dict) and begins_resource(root, self.keyword):  # ("...root.json#")
+            root_base = without_fragment(joined(DEFAULT_BASE, root[self.keyword]))
         self.bases: dict[Path, str] = {(): root_base}  # each resource's base URI
         self.uris: dict[str, Path] = {root_base: ()}
         self.anchors: dict[tuple[str, str], Path] = {}
@@ -375,8 +378,8 @@ class Judgement:
             self._spend()
             if not isinstance(part, dict):
                 continue
-            if path and begins_resource(part):
-                base = without_fragment(joined(base, part["$id"]))
+            if path and begins_resource(part, self.keyword):
+                base = without_fragment(joined(base, part[self.keyword]))
                 self.bases[path] = base
                 self.uris.setdefault(base, path)
             for name in anchors_of(part):

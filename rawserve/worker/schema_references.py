@@ -3,7 +3,8 @@ draft's `"$id": "#name"`) and URIs resolved against the `$id`s of the resources 
 in, each part named by its path in the whole schema. URIs are resolved and compared as
 llguidance does (RFC 3986): against `json-schema:///` where the schema names no base,
 normalised (scheme and host in lower case, dot segments removed, percent-escapes of
-unreserved characters decoded), a root `$id` without its fragment ("...root.json#").
+unreserved characters decoded), a root `$id` without its fragment ("...root.json#"),
+draft 4's `id` for `$id` where the schema's `$schema` is draft 4's.
 """
 
 from __future__ import annotations
@@ -116,10 +117,17 @@ def without_fragment(uri: str) -> str:
     return uri.partition("#")[0]
 
 
-def begins_resource(part: dict[str, Any]) -> bool:
-    """Whether `part` begins a resource of its own: an `$id` other than a fragment (an
-    older draft's `"$id": "#name"` names a part, its base unchanged)."""
-    identifier = part.get("$id")
+def identifying(schema: Any) -> str:
+    """The keyword that gives a resource its URI: `$id`, or draft 4's `id` where the
+    schema's `$schema` names draft 4 (as llguidance reads them)."""
+    declared = schema.get("$schema") if isinstance(schema, dict) else None
+    return "id" if isinstance(declared, str) and "draft-04" in declared else "$id"
+
+
+def begins_resource(part: dict[str, Any], keyword: str = "$id") -> bool:
+    """Whether `part` begins a resource of its own: an `$id` (`keyword`) other than a
+    fragment (an older draft's `"$id": "#name"` names a part, its base unchanged)."""
+    identifier = part.get(keyword)
     return isinstance(identifier, str) and not identifier.startswith("#")
 
 
@@ -142,18 +150,18 @@ def within(schema: Any, resource: Path, reference: str) -> Path | None:
     return path
 
 
-def resource_of(schema: Any, path: Path) -> tuple[Path, Any]:
+def resource_of(schema: Any, path: Path, keyword: str = "$id") -> tuple[Path, Any]:
     """Where the resource holding the part at `path` begins (its nearest `$id`), and that
     `$id` (None: the whole schema's, which has none)."""
     begins: Path = ()
     identifier = None
     part = schema
-    if isinstance(part, dict) and begins_resource(part):
-        identifier = part["$id"]
+    if isinstance(part, dict) and begins_resource(part, keyword):
+        identifier = part[keyword]
     for depth, step in enumerate(path):
         part = part[step]
-        if isinstance(part, dict) and begins_resource(part):
-            begins, identifier = path[: depth + 1], part["$id"]
+        if isinstance(part, dict) and begins_resource(part, keyword):
+            begins, identifier = path[: depth + 1], part[keyword]
     return begins, identifier
 
 
