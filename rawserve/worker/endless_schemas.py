@@ -28,7 +28,8 @@ follow one it does not (a chain of 1,000 through URIs written another way took t
 down), and fetches no document elsewhere.
 
 Not judged (llguidance lets a model begin them, and fails steps later): a required
-property held by a `patternProperties` pattern Python's `re` cannot read (`\\p{L}`);
+property held by a `patternProperties` pattern that cannot be read, or matched within
+PATTERN_SECONDS (the `regex` module's: Python's `re` backtracks without bound);
 parts that each end alone but not together (an allOf of two schemas of a property that
 no value satisfies both of). Keywords llguidance refuses in any case
 (`contains`, `dependentRequired`, `dependentSchemas`, `if`...) need no judging.
@@ -36,10 +37,12 @@ no value satisfies both of). Keywords llguidance refuses in any case
 
 from __future__ import annotations
 
-import re
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
+
+import regex
 
 from rawserve.tasks.text_generation import FORMAT_RESOURCE, TOOL_RESOURCE
 from rawserve.worker.schema_chains import MOST_NESTED_LEVELS, longest_chain
@@ -83,6 +86,7 @@ HOLDING = frozenset({"allOf", "type", "required", "minProperties", "minItems", "
 # the work the judgement may take (parts looked at), about a second at most: a schema
 # past it is refused, as too large to judge (not judged, a deep one took the worker down)
 BUDGET = 200_000
+PATTERN_SECONDS = 0.25  # the most a judgement spends matching patterns to names
 
 
 class OverBudget(Exception):
@@ -118,6 +122,9 @@ class Judgement:
         self.refers: dict[Path, list[Path]] = {(): []}  # the targets a part refers to
         self.levels: dict[Path, int] = {(): 1}  # ... and its own levels of subschemas
         self.left = BUDGET
+        # a client's patterns are matched against property names within this (Python's
+        # `re` backtracks: `^(a+)+$` against 30 a's and a "!" took minutes)
+        self.patterns_until = time.monotonic() + PATTERN_SECONDS
         self.keyword = identifying(schema)  # ("$id", or draft 4's "id")
         self.merging: set[int] = set()  # the parts being judged with what they are held to
         # the first reference an answer may reach that leads nowhere known, and its base
@@ -230,9 +237,13 @@ class Judgement:
             types = each.get("type")
             if isinstance(types, str | list):
                 stated = {types} if isinstance(types, str) else set(map(str, types))
+                if "number" in stated:  # (an integer is a number)
+                    stated.add("integer")
                 kinds = stated if kinds is None else kinds & stated
-        if kinds is None:
-            return True  # any type: a number would do
+        if not kinds:
+            # any type: a number would do; none at all (an integer held to be a string):
+            # no value, endless or not, which is llguidance's to refuse
+            return True
         return any(self._type_can_end(kind, held, ends) for kind in kinds)
 
     def conjuncts(self, part: dict[str, Any]) -> list[dict[str, Any]]:
@@ -302,7 +313,9 @@ class Judgement:
         self, name: str, held: list[dict[str, Any]], ends: dict[Path, bool]
     ) -> bool:
         return all(
-            self.can_end(schema, ends) for each in held for schema in property_schemas(each, name)
+            self.can_end(schema, ends)
+            for each in held
+            for schema in property_schemas(each, name, self.patterns_until)
         )
 
     def _open(self, part: dict[str, Any], ends: dict[Path, bool]) -> bool:
@@ -413,10 +426,10 @@ class Judgement:
             raise OverBudget
 
 
-def property_schemas(part: dict[str, Any], name: str) -> list[Any]:
+def property_schemas(part: dict[str, Any], name: str, until: float) -> list[Any]:
     """The schemas a property `name` of an object `part` is held to: its own, else those
     of the patterns it matches, else the additional properties' (a name no pattern can be
-    read for is not judged)."""
+    read for, or matched by the monotonic time `until`, is not judged)."""
     listed = part.get("properties")
     if isinstance(listed, dict) and name in listed:
         return [listed[name]]
@@ -424,10 +437,13 @@ def property_schemas(part: dict[str, Any], name: str) -> list[Any]:
     matched = []
     if isinstance(patterns, dict):
         for pattern, each in patterns.items():
+            left = until - time.monotonic()
             try:
-                if re.search(pattern, name):
+                if left <= 0:
+                    return []
+                if regex.search(pattern, name, timeout=left):
                     matched.append(each)
-            except (re.error, TypeError):  # (a pattern Python does not read: not judged)
+            except (regex.error, TypeError, TimeoutError):  # (not read, or not in time)
                 return []
     if matched:
         return matched
