@@ -521,3 +521,24 @@ def test_a_clients_pattern_is_matched_within_a_bound_and_in_unicode_classes():
         "additionalProperties": False,
     }
     assert endless_part(lettered) == "#"
+
+
+def test_the_time_for_patterns_runs_from_the_first_match_not_from_the_start(monkeypatch):
+    """A tester's 570 KB schema: an endless part held by a pattern, beside a definition
+    padded to take longer to walk than the patterns' time: counted from the judgement's
+    start, the time was spent before the first match, and the part went unjudged (a 200
+    stream, then an error event, 4 times in 5)."""
+    monkeypatch.setattr(endless_schemas, "PATTERN_SECONDS", 0.01)
+    schema = {
+        "$defs": {
+            "A": {
+                "type": "object",
+                "required": ["x"],
+                "patternProperties": {"^x$": {"$ref": "#/$defs/A"}},
+                "additionalProperties": False,
+            },
+            "padding": {"anyOf": [{}] * 90_000},  # (walked for $ids and anchors)
+        },
+        "$ref": "#/$defs/A",
+    }
+    assert endless_part(schema) == "#/$defs/A"

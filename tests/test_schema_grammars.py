@@ -316,3 +316,65 @@ def test_two_tools_giving_one_nested_id_to_different_schemas_are_refused():
     alike = Tools([*tools, {"name": "f2", "parameters": parameters("integer")}], "required")
     assert holds(alike.grammar(), '{"name": "f2", "arguments": {"x": {"v": 1}}}')
     assert not holds(alike.grammar(), '{"name": "f1", "arguments": {"x": {"v": "a"}}}')
+
+
+def chain(length: int, reference: str = "#/definitions/N{}") -> dict[str, Any]:
+    """`length` definitions, each an object whose `n` refers to the next."""
+    return {
+        f"N{i}": {"type": "object", "properties": {"n": {"$ref": reference.format(i + 1)}}}
+        for i in range(length)
+    } | {f"N{length}": {"type": "integer"}}
+
+
+def test_a_schema_is_judged_as_llguidance_reads_its_draft():
+    """A tester's crashes (SIGSEGV, the judgement having accepted): draft 7 ignores an
+    `$id` beside a `$ref`, which the judgement took for a resource's, judging a short part
+    while llguidance followed 1,000 references from the root; a `$schema` below the root
+    was read by llguidance (a draft 4 part's `id`s) and not by the judgement. Both now
+    read one schema: the `$id` beside a `$ref` dropped under drafts 4 to 7, a nested
+    `$schema` dropped."""
+    from rawserve.worker.endless_schemas import schema_fault
+    from rawserve.worker.schema_rewrites import compilable
+
+    draft7 = "http://json-schema.org/draft-07/schema#"
+    beside = {"$id": "http://e.com/p", "$ref": "#/definitions/N0", "definitions": {"N0": {}}}
+    schema = {
+        "$schema": draft7,
+        "type": "object",
+        "properties": {"r": {"$ref": "#/definitions/P"}},
+        "definitions": {**chain(1000), "P": beside},
+    }
+    fault = schema_fault(compilable(schema))
+    assert fault is not None and "nest 2,00" in fault.words, fault
+    kept = compilable({**schema, "$schema": "https://json-schema.org/draft/2020-12/schema"})
+    assert kept["definitions"]["P"]["$id"] == "http://e.com/p"  # (2020-12 reads it)
+    nested = compilable({"properties": {"a": {"$schema": draft7, "type": "integer"}}})
+    assert nested["properties"]["a"] == {"type": "integer"}
+    assert compilable({"$schema": draft7})["$schema"] == draft7
+    # a draft 7 tool's parameters whose root is a `$ref` (zod-to-json-schema's named form)
+    zod = {
+        "$schema": draft7,
+        "$ref": "#/definitions/Params",
+        "definitions": {
+            "Params": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+    grammar = Tools([{"name": "f", "parameters": zod}], "required").grammar()
+    assert holds(
+        grammar, '{"name": "f", "arguments": {"q": "x"}}'
+    )  # (was "Pointer ... does not exist")
+
+
+def test_an_anchor_given_to_two_parts_is_refused_where_a_reference_names_it():
+    """`$anchor: "foo"` on one part, `"$id": "#foo"` on another: llguidance took one by
+    its draft and the judgement the other (a chain of 1,000 behind it: SIGSEGV)."""
+    from rawserve.worker.endless_schemas import schema_fault
+
+    schema = {
+        "$defs": {"N0": {"$anchor": "foo", "type": "integer"}, "S": {"$id": "#foo"}},
+        "type": "object",
+        "properties": {"r": {"$ref": "#foo"}},
+    }
+    fault = schema_fault(schema)
+    assert fault is not None and "an anchor it gives two parts" in fault.words
+    assert schema_fault({**schema, "properties": {}}) is None  # (named by no reference)

@@ -122,9 +122,11 @@ class Judgement:
         self.refers: dict[Path, list[Path]] = {(): []}  # the targets a part refers to
         self.levels: dict[Path, int] = {(): 1}  # ... and its own levels of subschemas
         self.left = BUDGET
-        # a client's patterns are matched against property names within this (Python's
-        # `re` backtracks: `^(a+)+$` against 30 a's and a "!" took minutes)
-        self.patterns_until = time.monotonic() + PATTERN_SECONDS
+        # a client's patterns are matched against property names within PATTERN_SECONDS
+        # of the first match (Python's `re` backtracked: `^(a+)+$` against 30 a's and a
+        # "!" took minutes); from then, not from the start (a schema padded to take that
+        # long to walk had its endless part go unjudged)
+        self.patterns_until: float | None = None
         self.keyword = identifying(schema)  # ("$id", or draft 4's "id")
         self.merging: set[int] = set()  # the parts being judged with what they are held to
         # the first reference an answer may reach that leads nowhere known, and its base
@@ -170,6 +172,11 @@ class Judgement:
         if self.unresolved is None:
             return None
         reference, base = self.unresolved
+        if reference.startswith("#") and any(name == reference[1:] for _, name in self.doubled):
+            return Fault(
+                f"{self.whose(base)} refers to {reference!r}, an anchor it gives two parts: "
+                "name each part once"
+            )
         return Fault(
             f"{self.whose(base)} refers to {reference!r}, outside it: a $ref is followed only "
             "within the schema (a JSON pointer, an anchor, or an $id it gives)"
@@ -312,10 +319,13 @@ class Judgement:
     def _property_can_end(
         self, name: str, held: list[dict[str, Any]], ends: dict[Path, bool]
     ) -> bool:
+        if self.patterns_until is None and any("patternProperties" in each for each in held):
+            self.patterns_until = time.monotonic() + PATTERN_SECONDS
+        until = self.patterns_until or 0.0
         return all(
             self.can_end(schema, ends)
             for each in held
-            for schema in property_schemas(each, name, self.patterns_until)
+            for schema in property_schemas(each, name, until)
         )
 
     def _open(self, part: dict[str, Any], ends: dict[Path, bool]) -> bool:
@@ -385,6 +395,7 @@ class Judgement:
         self.bases: dict[Path, str] = {(): root_base}  # each resource's base URI
         self.uris: dict[str, Path] = {root_base: ()}
         self.anchors: dict[tuple[str, str], Path] = {}
+        self.doubled: set[tuple[str, str]] = set()  # anchors given to two parts
         waiting: list[tuple[Any, Path, str]] = [(self.schema, (), root_base)]
         while waiting:
             part, path, base = waiting.pop()
@@ -396,7 +407,8 @@ class Judgement:
                 self.bases[path] = base
                 self.uris.setdefault(base, path)
             for name in anchors_of(part):
-                self.anchors.setdefault((base, name), path)
+                if self.anchors.setdefault((base, name), path) != path:
+                    self.doubled.add((base, name))
             for key, value in part.items():
                 if key in ONE and isinstance(value, dict):
                     waiting.append((value, (*path, key), base))
@@ -418,6 +430,10 @@ class Judgement:
             at = found
         if not fragment or fragment.startswith("/"):
             return within(self.schema, at, "#" + fragment)
+        if (uri, unquote(fragment)) in self.doubled:
+            # (one as `$anchor`, one as `"$id": "#name"`: llguidance took the other one,
+            # by its draft, and a chain of 1,000 behind it took the worker down)
+            return None
         return self.anchors.get((uri, unquote(fragment)))
 
     def _spend(self) -> None:

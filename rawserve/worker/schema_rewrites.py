@@ -94,10 +94,47 @@ def pointed(schema: Any) -> Pointed:
 def compilable(schema: Any) -> Any:
     """`schema` as it is compiled (and judged): without annotations llguidance could take
     for constraints (`KEYWORDS`), its objects closed (`closed_objects`)."""
-    bare = without_annotations(schema, pointed(schema))
+    bare = one_reading(without_annotations(schema, pointed(schema)), siblings_ignored(schema))
     if isinstance(schema, dict) and OPTIONS in schema:
         bare[OPTIONS] = schema[OPTIONS]
     return closed_objects(bare)
+
+
+def siblings_ignored(schema: Any) -> bool:
+    """Whether the schema's draft (its root's `$schema`: 4, 6 or 7) makes a `$ref`'s
+    siblings ignored, as llguidance reads them."""
+    declared = schema.get("$schema") if isinstance(schema, dict) else None
+    return isinstance(declared, str) and any(f"draft-0{n}" in declared for n in (3, 4, 6, 7))
+
+
+def one_reading(schema: Any, siblings_ignored: bool, root: bool = True) -> Any:
+    """`schema` as llguidance and the judgement read it alike: a `$schema` below the root
+    dropped (llguidance read a nested one's draft, the judgement the root's: a draft 4
+    part's `id`s, which the judgement did not take for resources, led llguidance down a
+    chain of 1,000), and, where `siblings_ignored`, an `$id` beside a `$ref` dropped
+    (llguidance ignores it there; the judgement took it for a resource's, judged a short
+    part, and llguidance followed a chain of 1,000 from the root: SIGSEGV)."""
+    if not isinstance(schema, dict):
+        return schema
+    bare = dict(schema)
+    if not root:
+        bare.pop("$schema", None)
+    if siblings_ignored and "$ref" in bare:
+        for keyword in ("$id", "id"):  # (an anchor's `"$id": "#name"` it reads still)
+            if isinstance(bare.get(keyword), str) and not bare[keyword].startswith("#"):
+                del bare[keyword]
+    for keyword in EVERY_ONE & bare.keys():
+        bare[keyword] = one_reading(bare[keyword], siblings_ignored, False)
+    for keyword in SUBSCHEMA_LISTS & bare.keys():
+        if isinstance(bare[keyword], list):
+            bare[keyword] = [one_reading(each, siblings_ignored, False) for each in bare[keyword]]
+    for keyword in EVERY_MAP & bare.keys():
+        if isinstance(bare[keyword], dict):
+            named = bare[keyword].items()
+            bare[keyword] = {
+                name: one_reading(each, siblings_ignored, False) for name, each in named
+            }
+    return bare
 
 
 def without_annotations(schema: Any, root: Pointed, here: Pointed | None = None) -> Any:
