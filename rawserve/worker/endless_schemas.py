@@ -38,6 +38,7 @@ no value satisfies both of). Keywords llguidance refuses in any case
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -372,17 +373,8 @@ class Judgement:
                         begins_base = self.bases.get(begins, root_base)
                         waiting.append((at, target, 0, target, begins, begins_base))
             below = level + 1
-            for key, value in part.items():
-                if key in ONE and isinstance(value, dict):
-                    waiting.append((value, (*path, key), below, node, resource, base))
-                elif key in LISTED and isinstance(value, list):
-                    for index, each in enumerate(value):
-                        at_path = (*path, key, index)
-                        waiting.append((each, at_path, below, node, resource, base))
-                elif key in NAMED and isinstance(value, dict):
-                    for name, each in value.items():
-                        at_path = (*path, key, name)
-                        waiting.append((each, at_path, below, node, resource, base))
+            for each, at_path in children(part, path, NAMED):
+                waiting.append((each, at_path, below, node, resource, base))
 
     def _index(self) -> None:
         """Where each resource (`$id`, resolved against the one it is in) and each anchor
@@ -409,13 +401,7 @@ class Judgement:
             for name in anchors_of(part):
                 if self.anchors.setdefault((base, name), path) != path:
                     self.doubled.add((base, name))
-            for key, value in part.items():
-                if key in ONE and isinstance(value, dict):
-                    waiting.append((value, (*path, key), base))
-                elif key in LISTED and isinstance(value, list):
-                    waiting += [(each, (*path, key, i), base) for i, each in enumerate(value)]
-                elif (key in NAMED or key in DEFINITIONS) and isinstance(value, dict):
-                    waiting += [(each, (*path, key, name), base) for name, each in value.items()]
+            waiting += [(each, at, base) for each, at in children(part, path, NAMED | DEFINITIONS)]
 
     def resolve(self, base: str, resource: Path, reference: str) -> Path | None:
         """Where `reference`, met within the resource at `resource` (its base URI `base`),
@@ -440,6 +426,18 @@ class Judgement:
         self.left -= 1
         if self.left < 0:
             raise OverBudget
+
+
+def children(part: dict[str, Any], path: Path, named: frozenset[str]) -> Iterator[tuple[Any, Path]]:
+    """The subschemas `part` (at `path`) holds under JSON Schema's keywords, each with
+    where it lies: one (`ONE`), listed (`LISTED`), or by name (`named`)."""
+    for key, value in part.items():
+        if key in ONE and isinstance(value, dict):
+            yield value, (*path, key)
+        elif key in LISTED and isinstance(value, list):
+            yield from ((each, (*path, key, index)) for index, each in enumerate(value))
+        elif key in named and isinstance(value, dict):
+            yield from ((each, (*path, key, name)) for name, each in value.items())
 
 
 def property_schemas(part: dict[str, Any], name: str, until: float) -> list[Any]:

@@ -93,8 +93,10 @@ def pointed(schema: Any) -> Pointed:
 
 def compilable(schema: Any) -> Any:
     """`schema` as it is compiled (and judged): without annotations llguidance could take
-    for constraints (`KEYWORDS`), its objects closed (`closed_objects`)."""
-    bare = one_reading(without_annotations(schema, pointed(schema)), siblings_ignored(schema))
+    for constraints (`KEYWORDS`), read one way by llguidance and the judgement (`Reading`),
+    its objects closed (`closed_objects`)."""
+    reading = Reading(pointed(schema), siblings_ignored(schema))
+    bare = without_annotations(schema, reading)
     if isinstance(schema, dict) and OPTIONS in schema:
         bare[OPTIONS] = schema[OPTIONS]
     return closed_objects(bare)
@@ -107,81 +109,78 @@ def siblings_ignored(schema: Any) -> bool:
     return isinstance(declared, str) and any(f"draft-0{n}" in declared for n in (3, 4, 6, 7))
 
 
-def one_reading(schema: Any, siblings_ignored: bool, root: bool = True) -> Any:
-    """`schema` as llguidance and the judgement read it alike: a `$schema` below the root
+@dataclass(frozen=True)
+class Reading:
+    """What the walk that drops annotations knows of the whole schema: where its JSON
+    pointers lead (`root`), and whether its draft ignores a `$ref`'s siblings."""
+
+    root: Pointed
+    siblings_ignored: bool
+
+
+def without_annotations(schema: Any, reading: Reading, here: Pointed | None = None) -> Any:
+    """`schema` without the keys of its subschemas that are not JSON Schema's keywords
+    (nor `deprecated`, `contentSchema`), but for those a JSON pointer passes through
+    (`reading.root`: the steps of them all from a resource's root, `here`: from `schema`;
+    None: `schema` is the root), whose schemas it leads to lose theirs; a property's name
+    is a name, whatever it is (a property named "discriminator" stays), and data (`const`,
+    `enum`) is as written. A count written as an integral float (`"minItems": 1.0`) is
+    that integer.
+
+    So that llguidance and the judgement read it alike, a `$schema` below the root is
     dropped (llguidance read a nested one's draft, the judgement the root's: a draft 4
     part's `id`s, which the judgement did not take for resources, led llguidance down a
-    chain of 1,000), and, where `siblings_ignored`, an `$id` beside a `$ref` dropped
-    (llguidance ignores it there; the judgement took it for a resource's, judged a short
-    part, and llguidance followed a chain of 1,000 from the root: SIGSEGV)."""
+    chain of 1,000), and, where the draft ignores a `$ref`'s siblings, an `$id` beside a
+    `$ref` (llguidance ignores it there; the judgement took it for a resource's, judged a
+    short part, and llguidance followed a chain of 1,000 from the root: SIGSEGV)."""
     if not isinstance(schema, dict):
         return schema
-    bare = dict(schema)
-    if not root:
+    nested = here is not None
+    root = reading.root
+    here = root if here is None or begins_resource(schema) else here
+    bare = {key: value for key, value in schema.items() if key in KEYWORDS}
+    if nested:
         bare.pop("$schema", None)
-    if siblings_ignored and "$ref" in bare:
+    if reading.siblings_ignored and "$ref" in bare:
         for keyword in ("$id", "id"):  # (an anchor's `"$id": "#name"` it reads still)
             if isinstance(bare.get(keyword), str) and not bare[keyword].startswith("#"):
                 del bare[keyword]
-    for keyword in EVERY_ONE & bare.keys():
-        bare[keyword] = one_reading(bare[keyword], siblings_ignored, False)
-    for keyword in SUBSCHEMA_LISTS & bare.keys():
-        if isinstance(bare[keyword], list):
-            bare[keyword] = [one_reading(each, siblings_ignored, False) for each in bare[keyword]]
-    for keyword in EVERY_MAP & bare.keys():
-        if isinstance(bare[keyword], dict):
-            named = bare[keyword].items()
-            bare[keyword] = {
-                name: one_reading(each, siblings_ignored, False) for name, each in named
-            }
-    return bare
-
-
-def without_annotations(schema: Any, root: Pointed, here: Pointed | None = None) -> Any:
-    """`schema` without the keys of its subschemas that are not JSON Schema's keywords
-    (nor `deprecated`, `contentSchema`), but for those a JSON pointer passes through
-    (`root`: the steps of them all from a resource's root, `here`: from `schema`), whose
-    schemas it leads to lose theirs; a property's name is a name, whatever it is (a
-    property named "discriminator" stays), and data (`const`, `enum`) is as written.
-    A count written as an integral float (`"minItems": 1.0`) is that integer."""
-    if not isinstance(schema, dict):
-        return schema
-    here = root if here is None or begins_resource(schema) else here
-    bare = {key: value for key, value in schema.items() if key in KEYWORDS}
     for key in (here.steps.keys() & schema.keys()) - KEYWORDS:  # (pointed into: kept)
-        bare[key] = pointed_part(schema[key], root, here.steps[key])
+        bare[key] = pointed_part(schema[key], reading, here.steps[key])
     for keyword in COUNTS & bare.keys():  # (JSON's 1.0 is 1; llguidance refused it)
         if isinstance(bare[keyword], float) and bare[keyword].is_integer():
             bare[keyword] = int(bare[keyword])
     for keyword in EVERY_ONE & bare.keys():
-        bare[keyword] = without_annotations(bare[keyword], root, here.step(keyword))
+        bare[keyword] = without_annotations(bare[keyword], reading, here.step(keyword))
     for keyword in SUBSCHEMA_LISTS & bare.keys():
         if isinstance(bare[keyword], list):
             steps = here.step(keyword)
             listed = enumerate(bare[keyword])
-            bare[keyword] = [without_annotations(each, root, steps.step(i)) for i, each in listed]
+            bare[keyword] = [
+                without_annotations(each, reading, steps.step(i)) for i, each in listed
+            ]
     for keyword in EVERY_MAP & bare.keys():
         if isinstance(bare[keyword], dict):
             steps = here.step(keyword)
             named = bare[keyword].items()
             bare[keyword] = {
-                name: without_annotations(each, root, steps.step(name)) for name, each in named
+                name: without_annotations(each, reading, steps.step(name)) for name, each in named
             }
     return bare
 
 
-def pointed_part(part: Any, root: Pointed, here: Pointed) -> Any:
+def pointed_part(part: Any, reading: Reading, here: Pointed) -> Any:
     """What a key no keyword names holds, a JSON pointer passing through it: a schema
     where one ends (without its annotations), else only what the pointers pass through."""
     if here.ends:
-        return without_annotations(part, root, here)
+        return without_annotations(part, reading, here)
     if isinstance(part, dict):
         return {
-            key: pointed_part(part[key], root, here.steps[key])
+            key: pointed_part(part[key], reading, here.steps[key])
             for key in here.steps.keys() & part.keys()
         }
     if isinstance(part, list):
-        return [pointed_part(each, root, here.step(i)) for i, each in enumerate(part)]
+        return [pointed_part(each, reading, here.step(i)) for i, each in enumerate(part)]
     return part
 
 
