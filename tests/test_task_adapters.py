@@ -2610,6 +2610,35 @@ def test_a_handler_raising_systemexit_on_one_input_fails_that_input_alone(monkey
         assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
+@pytest.mark.parametrize("answers", ["map(answer, inputs)", "(answer(x) for x in inputs)"])
+def test_a_handler_s_lazy_answers_raising_systemexit_fail_that_input_alone(
+    monkeypatch, tmp_path, answers
+):
+    """A handler returning a generator (or `map`) runs its code as its answers are read,
+    which was outside the guard: sys.exit on one input ended the worker, three times over,
+    and the input was quarantined as one that crashes it. So did an exception of the
+    handler's own whose `str()` raised SystemExit as its failure was told."""
+    from rawserve.worker.batch_runs import run_bisecting
+
+    source = (
+        "import sys\n"
+        "class Odd(ValueError):\n"
+        "    def __str__(self):\n        raise SystemExit(1)\n"
+        "def answer(x):\n"
+        "    if x == 'exit': sys.exit('a library gave up')\n"
+        "    if x == 'interrupt': raise KeyboardInterrupt\n"
+        "    if x == 'odd': raise Odd()\n"
+        "    return x.upper()\n"
+        "def make():\n"
+        f"    return lambda inputs, **params: {answers}\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    answers_got = run_bisecting(serving, ["a", "exit", "b", "interrupt", "c", "odd"], {})
+    assert answers_got[0::2] == ["A", "B", "C"]
+    for failed in answers_got[1::2]:
+        assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
 @pytest.mark.parametrize(
     ("params", "says"),
     [

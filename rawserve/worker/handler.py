@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from rawserve.shared.devices import gpu_present
-from rawserve.shared.messages import NO_CONTROL, Control, Engine, WorkerConfig
+from rawserve.shared.messages import NO_CONTROL, Control, Engine, ItemFailure, WorkerConfig
 from rawserve.tasks import CUSTOM_TASK
 from rawserve.worker.libraries import library_logs_through_ours
 from rawserve.worker.runner import Runner, choose_attention_kernels, resolve_device
@@ -119,13 +119,21 @@ class HandlerRunner(Runner):
         # failed with a KeyError, and the input at fault with them)
         with exits_as_errors():
             answers = self.handler([own_copy(value) for value in inputs], **params)
-        # one answer where a list of them was due: a dict or a text would be read as its
-        # keys or characters, each the answer of an input
-        if isinstance(answers, (Mapping, str, bytes)) or not isinstance(answers, Iterable):
-            raise TypeError(
-                f"the handler returned {type(answers).__name__}, not a list of one answer per input"
-            )
-        return list(answers)
+            # one answer where a list of them was due: a dict or a text would be read as its
+            # keys or characters, each the answer of an input
+            if isinstance(answers, (Mapping, str, bytes)) or not isinstance(answers, Iterable):
+                raise TypeError(
+                    f"the handler returned {type(answers).__name__}, not a list of one answer "
+                    "per input"
+                )
+            # (a generator's, or map's, answers run the handler's code as they are read)
+            return list(answers)
+
+    def describe_failure(self, exc: BaseException) -> ItemFailure:
+        # an exception of the handler's own class may raise SystemExit as it is read: then
+        # an ordinary error, which the batch's run tells as the model's failure
+        with exits_as_errors():
+            return super().describe_failure(exc)
 
 
 def own_copy(value: Any) -> Any:
