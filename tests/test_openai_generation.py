@@ -573,8 +573,11 @@ def test_penalties_take_repeated_tokens_down(servers, reference):
             422,
             "the token id 1000000 is not in the model's vocabulary",
         ),
+        # (past the 4,300 digits Python reads: a 500 with a traceback in the log)
+        ({"logit_bias": {"1" + "0" * 5000: 1}}, 400, '"logit_bias" has a key past any token id'),
+        ({"logit_bias": {"0" * 5000 + "5": 101}}, 400, '"logit_bias[5]" must be between'),
     ],
-    ids=["frequency", "presence", "key", "bias", "list", "count", "unknown-id"],
+    ids=["frequency", "presence", "key", "bias", "list", "count", "unknown-id", "huge", "zeros"],
 )
 def test_scores_that_cannot_be_changed_so_are_refused(servers, document, status, message):
     answered, body = servers["plain"].post_json({"prompt": PROMPT, **document}, "/v1/completions")

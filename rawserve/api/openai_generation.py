@@ -249,6 +249,9 @@ def check_choices(generation: GenerationRequest, most: int, admitted: int | None
             raise PayloadTooLarge(f"{why}: {says}", param=field)
 
 
+MOST_ID_DIGITS = 19  # a token id is an int64 at most, whatever the vocabulary
+
+
 def read_logit_bias(name: str, value: Any, context: DocContext | None) -> dict[int, float]:
     """OpenAI's logit_bias: token ids (JSON's keys are text) to a bias from -100 to 100; the
     model's worker knows which ids it has."""
@@ -260,7 +263,10 @@ def read_logit_bias(name: str, value: Any, context: DocContext | None) -> dict[i
     for token, amount in value.items():
         if not (token.isascii() and token.isdigit()):
             raise BadRequest(f'"{name}" takes token ids as its keys, not {token[:40]!r}')
-        bias[int(token)] = read_number(f"{name}[{token}]", amount, -100, 100)
+        digits = token.lstrip("0") or "0"
+        if len(digits) > MOST_ID_DIGITS:  # (Python reads 4,300 digits at most: it was a 500)
+            raise BadRequest(f'"{name}" has a key past any token id: {digits[:SHOWN_CHARS]}...')
+        bias[int(digits)] = read_number(f"{name}[{digits}]", amount, -100, 100)
     return bias
 
 
