@@ -69,6 +69,8 @@ from rawserve.http.errors import (
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import (
+    ANSWER_UNSENT_BYTES,
+    STREAM_UNSENT_BYTES,
     FlowControl,
     Transport,
     bound_unsent,
@@ -322,6 +324,7 @@ class HttpProtocol(asyncio.Protocol):
         elif not self._seated_for_a_probe(transport, now):
             self._refuse()
             return
+        bound_unsent(self.transport, ANSWER_UNSENT_BYTES)
         if self.tls is None:
             self._enter(Phase.IDLE)
         else:
@@ -783,7 +786,8 @@ class HttpProtocol(asyncio.Protocol):
         fields = fixed_fields(response.content_type, headers, None, close)
         fields += request_fields(response, cycle.request_id, cycle.started)
         sent = 0
-        bound_unsent(self.transport)  # what the client leaves unread waits where it counts
+        # what the client leaves unread waits where it counts
+        bound_unsent(self.transport, STREAM_UNSENT_BYTES)
         try:
             head = self.conn.send(h11_head(response.status, fields))
             self._write(head)
@@ -816,7 +820,7 @@ class HttpProtocol(asyncio.Protocol):
             self._log_access(cycle, response.status, max(0, sent - self.unsent))
             await _close_stream(response)  # stops the producer (e.g. generation) if we left
             if self.phase is Phase.RESPONDING:  # the connection goes on to other answers
-                bound_unsent(self.transport, None)
+                bound_unsent(self.transport, ANSWER_UNSENT_BYTES)
         self._finish_cycle(close)
 
     def _start_response(self, cycle: Cycle) -> bool:

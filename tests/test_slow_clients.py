@@ -11,6 +11,7 @@ import resource
 import socket
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 import h11
 import pytest
@@ -329,6 +330,42 @@ def test_pipelined_requests_over_one_socket_are_answered_in_order(guarded_server
     assert json.loads(answers[1][2])["input"] == "one"
     assert answers[2][1][b"x-request-id"] == b"third"
     assert all(b"server-timing" in headers for _, headers, _ in answers)
+
+
+def test_a_pipelining_client_that_reads_nothing_gets_few_answers_computed(guarded_server):
+    """The kernel took 4 MiB of a connection's whole answers (tcp_wmem's most) before a
+    write stalled and its next requests waited unread: some 800 embeddings computed for
+    a client that read none, and 4 GB of the kernel's memory at --max-connections 1000.
+    Bounded like a stream's (TCP_NOTSENT_LOWAT), the answers computed for it stop at
+    what a few hundred KiB hold."""
+    text = "x" * 16384  # (each answer holds it twice: ~32 KiB)
+    body = json.dumps({"inputs": text}).encode()
+    one = (
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+        + API_KEY.encode()
+        + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+    answered = 'rawserve_requests_total{method="POST",route="/",status="200"}'
+
+    def count() -> float:
+        _, _, page = guarded_server.request("GET", "/metrics")
+        found = [line for line in page.decode().splitlines() if line.startswith(answered)]
+        return float(found[0].rsplit(" ", 1)[1]) if found else 0.0
+
+    before = count()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # (before connecting)
+        sock.connect(("127.0.0.1", guarded_server.port))
+        sock.settimeout(0.2)
+        requests, sent, end = one * 300, 0, time.monotonic() + 6
+        while sent < len(requests) and time.monotonic() < end:
+            with suppress(TimeoutError):  # (the server stops reading them)
+                sent += sock.send(requests[sent : sent + 65536])
+        time.sleep(1)
+        computed = count() - before
+    # (4 MiB held ~130 of them; 256 KiB and what waits in the server's own buffers, ~12)
+    assert 1 <= computed <= 40, computed
 
 
 def test_head_and_http_1_0_over_a_real_socket(guarded_server):

@@ -28,6 +28,11 @@ from typing import Any, Protocol
 # buffer (grown up to tcp_wmem's 4 MiB) took ~30,000 tokens for a client that read none,
 # and the stream's bound on unread tokens never tripped: the worker ran on for nobody.
 STREAM_UNSENT_BYTES = 16 * 1024
+# ... and of whole answers: past it, a pipelining client that reads none of its answers
+# stalls the writes, and its next requests wait unread. Without it the kernel took 4 MiB
+# a connection (tcp_wmem's most): some 800 embeddings computed for a client that read
+# none, and 4 GB of the kernel's memory at the default --max-connections.
+ANSWER_UNSENT_BYTES = 256 * 1024
 # What a TLS transport holds before writing pauses, as a plain one does (its own mark is
 # 512 KB): above it, a client that reads none of an answer stalled no write, and was not
 # cut at --write-timeout (`tls_write_buffer`)
@@ -84,10 +89,9 @@ def reset_on_close(transport: Transport | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
-def bound_unsent(transport: Transport | None, most: int | None = STREAM_UNSENT_BYTES) -> None:
-    """Let the kernel hold at most `most` unsent bytes of this connection's (None: as
-    many as its own settings allow, for the answers after a stream). Where the option is
-    missing (not TCP, not Linux or macOS), the kernel's buffer bounds them alone."""
+def bound_unsent(transport: Transport | None, most: int) -> None:
+    """Let the kernel hold at most `most` unsent bytes of this connection's. Where the
+    option is missing (not TCP, not Linux or macOS), the kernel's buffer bounds them alone."""
     if transport is None:
         return
     sock = transport.get_extra_info("socket")
@@ -96,7 +100,7 @@ def bound_unsent(transport: Transport | None, most: int | None = STREAM_UNSENT_B
         return
     # (a Unix socket has no TCP options; a closed one, no descriptor: uvloop's ValueError)
     with suppress(OSError, ValueError):
-        sock.setsockopt(socket.IPPROTO_TCP, option, most or 0)  # 0: the system's own
+        sock.setsockopt(socket.IPPROTO_TCP, option, most)
 
 
 class FlowControl:
