@@ -135,13 +135,21 @@ async def test_fillings_past_the_answer_limit_are_413_and_never_computed():
     too_many = {"inputs": [text] * 7, "parameters": {"top_k": 100}}
     with pytest.raises(PayloadTooLarge, match="larger than 1,000,000 bytes"):
         await app.handle(post("/", too_many))
-    targets = {"inputs": [text] * 7, "parameters": {"targets": ["a"] * 100}}
+    named = [f"t{i}" for i in range(100)]
+    targets = {"inputs": [text] * 7, "parameters": {"targets": named, "top_k": 100}}
     with pytest.raises(PayloadTooLarge):
         await app.handle(post("/", targets))
     assert computed_by(app, "fm") == 0
-    for fits in ({"inputs": [text] * 6, "parameters": {"top_k": 100}}, {"inputs": [text] * 7}):
+    # each target is scored once, and top_k of them kept: a target named 100 times, or 100
+    # targets at the default top_k, answer few candidates (they were refused as 100)
+    for fits in (
+        {"inputs": [text] * 6, "parameters": {"top_k": 100}},
+        {"inputs": [text] * 7},
+        {"inputs": [text] * 7, "parameters": {"targets": ["a"] * 100, "top_k": 100}},
+        {"inputs": [text] * 7, "parameters": {"targets": named}},
+    ):
         assert (await app.handle(post("/", fits))).status == 200
-    assert computed_by(app, "fm") == 2
+    assert computed_by(app, "fm") == 4
 
 
 def test_a_model_answers_to_its_name_and_its_aliases():

@@ -264,10 +264,10 @@ def check_fillings_size(
     if not isinstance(mask, str) or not mask:
         return
     targets = params.get("targets")
-    if targets:
-        candidates = 1 if isinstance(targets, str) else len(targets)
-    else:
-        candidates = params.get("top_k", FILL_MASK_TOP_K)
+    candidates = params.get("top_k", FILL_MASK_TOP_K)
+    if targets:  # each scored once, and top_k of them kept, as the pipeline answers
+        named = 1 if isinstance(targets, str) else len(set(targets))
+        candidates = min(candidates, named)
     size = sum(
         text.count(mask) * candidates * (len(text.encode()) + CANDIDATE_BYTES)
         for text in texts
