@@ -180,6 +180,19 @@ def test_token_classification_ignores_no_label_when_asked_with_an_empty_list():
     assert parsed.params == {"ignore_labels": []}  # every entity, "O" too, as the pipeline
 
 
+@pytest.mark.parametrize(
+    ("sent", "read"),
+    [("O", ["O"]), ("B-PER,I-LOC, O", ["B-PER", "I-LOC", "O"]), (["B-PER,I-LOC"], ["B-PER,I-LOC"])],
+)
+def test_token_classification_reads_a_text_of_labels_to_ignore_as_zero_shot_reads_one(sent, read):
+    """One text was one label: "B-PER,I-LOC,O" left every I-LOC entity in, where the
+    list form, and the pipeline's own reading of a text (by `in`), left them out."""
+    parsed = parse_json_body(
+        "token-classification", {"inputs": "hi", "parameters": {"ignore_labels": sent}}
+    )
+    assert parsed.params == {"ignore_labels": read}
+
+
 def test_pairs_and_question_answering_inputs():
     assert parse_json_body(
         "text-classification", {"inputs": {"text": "a", "text_pair": "b"}}
