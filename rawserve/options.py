@@ -31,7 +31,7 @@ from rawserve.http.cors import browser_origin
 from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
 from rawserve.models.folder import TASK_ALIASES
-from rawserve.models.names import ModelNameError, parse_model_spec
+from rawserve.models.names import ModelNameError, is_folder, parse_model_spec
 from rawserve.models.sentence_folder import POOLING_MODES
 from rawserve.ops import layout
 from rawserve.ops.health_probe import DEFAULT_PORT, SAGEMAKER_COMMAND, SAGEMAKER_PORT
@@ -484,7 +484,7 @@ def sagemaker_model(
         )
     if task and not args.task and variable_value("RAWSERVE_TASK") is None:
         args.task = task
-    hub_id = not Path(args.model[0]).is_dir()  # (a folder has no revisions)
+    hub_id = not is_folder(args.model[0])  # (a folder has no revisions)
     if (
         named["revision"]
         and hub_id

@@ -417,8 +417,11 @@ def test_a_folder_resolves_to_itself(tmp_path):
     assert resolved(run_resolve(str(tmp_path / "model"), tmp_path)) == tmp_path / "model"
 
 
-def test_a_missing_folder_is_one_line(tmp_path):
-    line = one_error_line(run_resolve(str(tmp_path / "nowhere"), tmp_path))
+@pytest.mark.parametrize("name", ["nowhere", "y" * 300], ids=["missing", "name-too-long"])
+def test_a_missing_folder_is_one_line(tmp_path, name):
+    """A name the system cannot look up (a part past 255 bytes) raised OSError from
+    `is_dir`: a 24-line traceback at start instead of the line."""
+    line = one_error_line(run_resolve(str(tmp_path / name), tmp_path))
     assert "no model folder" in line
 
 

@@ -57,7 +57,7 @@ from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIG
 from rawserve.models.hub_asking import MAX_HUB_WAIT_SECONDS, AskingAgain, wait_asked
 from rawserve.models.hub_contact import HubContact
 from rawserve.models.hub_integrity import changed_downloads, cut_short, forget
-from rawserve.models.names import ModelSpec, default_names
+from rawserve.models.names import ModelSpec, default_names, is_folder
 from rawserve.models.sentence_folder import dense_paths
 from rawserve.shared.logs import first_line, without_credentials
 
@@ -133,10 +133,9 @@ def resolve_model(spec: ModelSpec, hub: HubContact | None = None) -> ResolvedMod
 def resolve_folder(spec: ModelSpec) -> ResolvedModel:
     if spec.revision:
         raise ModelNotFound(f"{spec.source} is a folder: a revision applies to Hub ids only")
-    folder = Path(spec.source).expanduser()
-    if not folder.is_dir():
+    if not is_folder(spec.source):
         raise ModelNotFound(f"no model folder {spec.source}")
-    return ResolvedModel(spec, folder.resolve())
+    return ResolvedModel(spec, Path(spec.source).expanduser().resolve())
 
 
 def resolve_hub(spec: ModelSpec, hub: HubContact) -> ResolvedModel:

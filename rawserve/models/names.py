@@ -67,7 +67,16 @@ class ModelSpec:
 
 
 def looks_like_folder(source: str) -> bool:
-    return source.startswith(FOLDER_PREFIXES) or Path(source).expanduser().is_dir()
+    return source.startswith(FOLDER_PREFIXES) or is_folder(source)
+
+
+def is_folder(text: str) -> bool:
+    """Whether `text` names a folder here (a name the system cannot look up, one part of
+    it past 255 bytes say, names none: its OSError was a traceback at start)."""
+    try:
+        return Path(text).expanduser().is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def parse_model_spec(text: str) -> ModelSpec:
@@ -75,7 +84,7 @@ def parse_model_spec(text: str) -> ModelSpec:
     text = text.strip()
     if not text:
         raise ModelNameError("a model name is empty")
-    if Path(text).expanduser().is_dir():  # an existing folder is taken as it is
+    if is_folder(text):  # an existing folder is taken as it is
         return ModelSpec(source=text)
     alias = None
     head, equals, rest = text.partition("=")
@@ -87,7 +96,7 @@ def parse_model_spec(text: str) -> ModelSpec:
         )
     if not text:
         raise ModelNameError(f"the model alias {alias!r} names no folder or Hub id")
-    if Path(text).expanduser().is_dir():
+    if is_folder(text):
         return ModelSpec(source=text, alias=alias)
     task = None
     body, colon, suffix = text.rpartition(":")
