@@ -97,6 +97,7 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
             "threads_per_worker": workers.threads,
             "warmup": model.warmup and not plan.handler,  # a handler is not warmed
             "batching": {
+                "mode": model.batching.value,  # (--batching: cost or count)
                 "max_batch_size": model.max_batch_size,
                 "max_batch_delay_ms": model.max_batch_delay_ms,
                 "max_batch_tokens": model.max_batch_tokens,

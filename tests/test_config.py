@@ -357,6 +357,7 @@ def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration()
     folder_facts = model_facts(folder, config, workers)
     assert folder_facts["task"] == "feature-extraction" and folder_facts["warmup"] is True
     assert facts["batching"] == {
+        "mode": "cost",  # (--batching: it was in neither /info nor the log)
         "max_batch_size": 8,
         "max_batch_delay_ms": 0.0,
         "max_batch_tokens": None,

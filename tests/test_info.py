@@ -56,6 +56,7 @@ def test_info_tells_the_model_settings_versions_and_worker_pids(server):
     assert info["dtype"] is None and info["warmup"] is False and info["engine"] == "handler"
     assert info["ready"] is True
     assert info["batching"] == {
+        "mode": "cost",  # (--batching: it was in neither /info nor the log)
         "max_batch_size": 8,
         "max_batch_delay_ms": 2.0,
         "max_batch_tokens": None,
