@@ -478,8 +478,11 @@ async def test_a_restart_stopped_while_loading_is_killed_and_started_again(
 
 @pytest.mark.slow
 async def test_repeated_failed_restarts_make_the_process_unhealthy(
-    fast_restarts, monkeypatch, tmp_path
+    fast_restarts, monkeypatch, tmp_path, caplog
 ):
+    """... and one line says so: /health turned 503 with nothing in the log saying why
+    (a liveness probe then restarted the pod on the crash lines alone)."""
+    caplog.set_level(logging.ERROR, logger="rawserve")
     marker = tmp_path / "loaded"
     monkeypatch.setenv("RAWSERVE_TEST_MARKER", str(marker))
     executor = WorkerPool(
@@ -503,8 +506,15 @@ async def test_repeated_failed_restarts_make_the_process_unhealthy(
         assert await asyncio.wait_for(exits.get(), 30) == -signal.SIGKILL
         assert await asyncio.wait_for(exits.get(), 120) == 4  # the restart died loading
         assert executor.healthy
+        assert "is unhealthy" not in caplog.text
         assert await asyncio.wait_for(exits.get(), 120) == 4
         assert not executor.healthy and not executor.ready
+        [said] = [r.getMessage() for r in caplog.records if "is unhealthy" in r.getMessage()]
+        assert said.startswith(
+            "the model is unhealthy: every worker of it keeps dying (worker 0: its last 2 "
+            "starts failed)"
+        )
+        assert "/health answers 503" in said
         marker.unlink()  # the cause goes away: the next restart loads
         await idle(executor)
         assert executor.healthy and executor.ready

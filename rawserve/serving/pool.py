@@ -969,12 +969,15 @@ class WorkerPool(PoolReports):
         strikes = not worker.stopped
         held = None if job is None else Held(job.streamed, job.poison_key if strikes else None)
         sequences = worker.running.take_all()  # a continuous worker ran them all at once
+        was_healthy = self.supervisor.healthy
         decision = self.supervisor.exited(
             worker.index,
             while_loading=was_loading,
             held=held,
             at_work=bool(sequences) or worker.hung,
         )
+        if was_healthy and not self.supervisor.healthy and not self._first_load_pending:
+            self._say_unhealthy(worker)
         if job is not None and decision.lost is not None:
             self._carry_out(worker, job, decision.lost)
         for lost in sequences:
@@ -1130,6 +1133,29 @@ class WorkerPool(PoolReports):
                 cause,
             )
         return False
+
+    @property
+    def _first_load_pending(self) -> bool:
+        return self._first_load is not None and not self._first_load.done()
+
+    def _say_unhealthy(self, worker: WorkerHandle) -> None:
+        """Every worker keeps dying: /health turns 503, which a liveness probe acts on
+        (the crash lines alone did not say why a pod was restarted)."""
+        model = f"model {worker.config.name!r}" if worker.config.name else "the model"
+        record = worker.record
+        why = (
+            f"its last {record.failed_restarts} starts failed"
+            if record.failed_restarts >= self.max_failed_restarts
+            else f"it died {record.crashes} times in a row at work without answering a batch"
+        )
+        log.error(
+            "%s is unhealthy: every worker of it keeps dying (worker %s: %s); /health "
+            "answers 503 (a liveness probe restarts the server), and its workers are still "
+            "restarted",
+            model,
+            worker.label,
+            why,
+        )
 
     def _tell_down(self) -> None:
         """With no worker serving, tell `on_down` when one should again."""
