@@ -181,6 +181,7 @@ def servers(request):
             "signalled_twice_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "30"]),
             "stalled_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "2"]),
             "idle_draining_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
+            "short_grace_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "1"]),
         },
     ) as get:
         yield get
@@ -192,6 +193,7 @@ orphaned_server = module_server("orphaned_server")
 signalled_twice_server = module_server("signalled_twice_server")
 stalled_server = module_server("stalled_server")
 idle_draining_server = module_server("idle_draining_server")
+short_grace_server = module_server("short_grace_server")
 
 
 def test_both_http_processes_answer_and_info_lists_every_process(server):
@@ -355,6 +357,29 @@ def test_an_http_process_sent_sigterm_alone_answers_its_request_exits_and_is_rep
     assert not [line for line in server.read_log() if f"(pid {victim}) exited" in line]
     wait_until(lambda: replaced(server, victim), what="a new HTTP process listed")
     worker.wait(30)
+    for connection in connections.values():
+        connection.close()
+
+
+def test_an_http_process_stopped_alone_past_its_grace_says_so_not_the_serving_process(
+    short_grace_server,
+):
+    """Its request outlasting its grace period, it answered 503 saying "the serving
+    process did not answer within the grace period": the serving process was well and
+    went on serving; the stop was this process's alone."""
+    server = short_grace_server
+    connections = one_connection_each(server)
+    victim, _ = list(connections)
+    body = json.dumps({"inputs": "outlasts", "parameters": {"sleep": 4.0}})
+    connections[victim].http.request("POST", "/", body=body, headers=JSON)
+    server.wait_for_log(re.compile(re.escape("sleeping 4.0 s on ['outlasts']")), 30)
+    os.kill(victim, signal.SIGTERM)
+    answer = connections[victim].http.getresponse()
+    assert answer.status == 503, answer.read()
+    said = server.wait_for_log(re.compile(r"HTTP process \d: stopped alone.*"), 10)
+    assert "requests still under way at the end of its grace period" in said[0]
+    assert not [line for line in server.read_log() if "did not answer within" in line]
+    assert server.post_json({"inputs": "after"})[0] == 200  # the server went on
     for connection in connections.values():
         connection.close()
 

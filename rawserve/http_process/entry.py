@@ -215,10 +215,13 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     # one that has not by then (stopped, stuck) cannot: they are answered 503 here (they
     # were closed unanswered, logged as their clients' leaving, 499)
     if not await requests_answered(state, grace + FINAL_WRITE_SECONDS):
+        # (stopped alone, the server goes on: its work simply outlasted our grace)
         log.warning(
-            "HTTP process %d: the serving process did not answer within the grace period; "
-            "answering what is left 503",
+            "HTTP process %d: %s; answering what is left 503",
             spec.index,
+            "the serving process did not answer within the grace period"
+            if told.is_set()
+            else "stopped alone, with requests still under way at the end of its grace period",
         )
         link.refuse_pending()
         await requests_answered(state, FINAL_WRITE_SECONDS)
