@@ -1355,14 +1355,24 @@ def test_a_request_s_source_language_is_its_own(runner, monkeypatch):
     assert first != french and after == first
 
 
-@pytest.mark.parametrize("languages", [("xx_Zzzz", "fra_Latn"), ("eng_Latn", "xx_Zzzz")])
-def test_a_language_the_model_does_not_know_is_refused_either_way(runner, languages):
+@pytest.mark.parametrize(
+    ("source", "target", "unknown"),
+    [
+        ("xx_Zzzz", "fra_Latn", "xx_Zzzz"),
+        ("eng_Latn", "xx_Zzzz", "xx_Zzzz"),
+        # the tokenizer's own special tokens: in its vocabulary, but no language (generation
+        # was forced to start on "</s>", 200)
+        ("eng_Latn", "</s>", "</s>"),
+        ("eng_Latn", "<mask>", "<mask>"),
+        ("<pad>", "fra_Latn", "<pad>"),
+    ],
+)
+def test_a_language_the_model_does_not_know_is_refused_either_way(runner, source, target, unknown):
     # an unknown source language was read as the unknown token: a translation of the
     # text as if from no language, answered 200, where an unknown target was refused
     serving = runner("multilingual-translation", "translation")
-    source, target = languages
     params = {"max_new_tokens": 2, "num_beams": 1, "src_lang": source, "tgt_lang": target}
-    with pytest.raises(ValueError, match="does not know the language 'xx_Zzzz'"):
+    with pytest.raises(ValueError, match=f"does not know the language '{unknown}'"):
         serving.run(["hello world"], params)
 
 

@@ -51,6 +51,8 @@ from rawserve.worker.scores import at_least_the_least_temperature, unusable
 PIPELINE_NUM_BEAMS = 4
 PIPELINE_MAX_NEW_TOKENS = 256
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
+# a tokenizer's own special tokens, which are in its vocabulary but name no language
+NAMED_TOKENS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 
 log = logging.getLogger("rawserve.generation")
 
@@ -193,8 +195,11 @@ class Seq2SeqLMRunner(Runner):
                     "(and src_lang, the text's, where the model names none)"
                 )
             source_id, target_id = self.tokenizer.convert_tokens_to_ids([source, target])
+            # (the unknown token: a code not in its vocabulary; "</s>", "<pad>", "<mask>"
+            # are tokens of it, but no language: generation was forced to start on them)
+            specials = {getattr(self.tokenizer, f"{name}_token_id", None) for name in NAMED_TOKENS}
             for language, token_id in ((source, source_id), (target, target_id)):
-                if token_id in (None, self.tokenizer.unk_token_id):  # (read as the unknown token)
+                if token_id is None or token_id in specials:
                     raise ValueError(f"this model does not know the language {language!r}")
             self.tokenizer.src_lang = source
             return None, {"forced_bos_token_id": target_id}
