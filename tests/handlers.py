@@ -175,3 +175,12 @@ def lingering_thread():
         return list(inputs)
 
     return handle
+
+
+def numbers():
+    """Answers each input as a number: `float(text)`, whose ValueError quotes the text."""
+
+    def handle(inputs, **params):
+        return [float(item) for item in inputs]
+
+    return handle

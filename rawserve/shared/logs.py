@@ -48,6 +48,18 @@ MAX_MESSAGE_CHARS = 16 * 1024
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
+# The scheme of an address (`https://`), from the first letter of a run of the characters
+# a scheme may hold (`_x1https://`: `https://`), the run's other letters never starting one:
+# a run that ends in no :// is read once, not again from each of its letters
+# (`(?<!...)(?:...)*+` is the run's start and its characters before that letter)
+SCHEME_PREFIX = r"(?<![\w+.\-])(?:[^\WA-Za-z]|[+.\-])*+"
+SCHEME = r"[A-Za-z][\w+.\-]*+://"
+# An @ after which a host follows: its next /, ?, #, space, quote or the end comes before
+# any other @
+_HOST_AFTER = r"(?=[^\s'\"/?#@]*+(?:[/?#\s'\"]|$))"
+# The user part (to the first /, ?, #, @, space, quote or bracket) holds a colon that is no
+# host's port (`host:8080/`): checked once, at its start
+_USER_COLON = r"(?=[^\s'\"/?#@\[\]:]*+:(?!\d*+(?:[/?#\s'\"]|$)))"
 # An address's credentials: its userinfo, before its host (`https://token@host`,
 # `redis://:secret@cache`), a user:password to the first @ after which a host follows
 # (`https://user:pa/ss@host`, `postgres://user:p@ss@db`, written unescaped), not a host's
@@ -56,10 +68,18 @@ _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "ascti
 # HF_ENDPOINT of https://user:password@host was written in huggingface_hub's retry lines
 # and rawserve's own, a client's absolute-form target in its access line) and of what
 # clients are told of a failure.
+# Linear in the text's length: a scheme starts only at its run's first letter, a
+# user part's colon is checked once, and a stretch with no host's @ is read once.
 URL_CREDENTIALS = re.compile(
-    r"([A-Za-z][\w+.\-]*://)"
-    r"(?:[^\s'\"/?#@\[\]]*:(?!\d*(?:[/?#\s'\"]|$))[^\s'\"?#]*?|[^\s'\"/?#@\[\]]*)"
-    r"@(?=[^\s'\"/?#@]*(?:[/?#\s'\"]|$))"
+    rf"(?P<scheme>{SCHEME_PREFIX}{SCHEME})(?:(?P<userinfo>"
+    # user:password, to the first @ before a host (the password may hold / and @)
+    rf"{_USER_COLON}[^\s'\"?#]*?@{_HOST_AFTER}"
+    # a user (a token) alone
+    rf"|[^\s'\"/?#@\[\]]*+@{_HOST_AFTER})"
+    # a user:password with no such @ before the next space, quote, ? or #: nor has an
+    # address that starts in that stretch; taken whole (and given back as it is), so
+    # that each one's search does not read the same stretch again
+    rf"|{_USER_COLON}[^\s'\"?#]*+)"
 )
 
 
@@ -67,7 +87,13 @@ def without_credentials(text: str) -> str:
     """`text` with each address's credentials written `<credentials>`."""
     if "@" not in text:
         return text  # nearly every line: no search
-    return URL_CREDENTIALS.sub(r"\1<credentials>@", text)
+    return URL_CREDENTIALS.sub(_credentials_left_out, text)
+
+
+def _credentials_left_out(found: re.Match[str]) -> str:
+    if found["userinfo"] is None:
+        return found[0]
+    return f"{found['scheme']}<credentials>@"
 
 
 def bounded(message: str) -> str:

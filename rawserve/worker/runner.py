@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rawserve.shared.devices import gpu_present
-from rawserve.shared.logs import first_line, without_credentials
+from rawserve.shared.logs import SCHEME, SCHEME_PREFIX, first_line, without_credentials
 from rawserve.shared.messages import (
     NO_CONTROL,
     Control,
@@ -112,23 +112,36 @@ PADDING_OFFSET_MODEL_TYPES = frozenset(
         "xmod",
     }
 )
-# A file's path in a message (two segments or more, from a drive letter, a slash or a
+# A file's path in a message (one segment or more, from a drive letter, a slash or a
 # name), left out for clients unless it reads as words or numbers: one that starts at a
 # name (not at /, a drive, . or ~) is a path only where a segment has a file's extension
-# (models/me/w.bin), not `POSITIVE/NEGATIVE/NEUTRAL`, `2024/01/02` or `1.2/3.4`
-_PATHLIKE = re.compile(r"(?<![\w.\-])(?:[A-Za-z]:)?[\w.\-~]*(?:[/\\][\w.\-]+){2,}")
+# (models/me/w.bin), not `POSITIVE/NEGATIVE/NEUTRAL`, `2024/01/02` or `1.2/3.4`; one of a
+# single segment only where it reads as a file's (`_ONE_SEGMENT_FILE`), not `and/or`,
+# `1/2` nor `/health`. A ~ is a name's character in every segment (`PROGRA~1`, `w.bin~`),
+# and a path (or a drive) starts only where a run of them does: each run is read once.
+_PATHLIKE = re.compile(
+    r"(?<![\w.\-~])(?:[A-Za-z]:)?[\w.\-~]*+"
+    # a segment, then more; or one alone that is not a drive's letter (`/C:/x` is `C:/x`)
+    r"(?:[/\\][\w.\-~]++(?:[/\\][\w.\-~]++)+|[/\\](?![A-Za-z]:)[\w.\-~]++)"
+)
 _ROOTED = re.compile(r"[A-Za-z]:|[/\\.~]")
 _EXTENSION = re.compile(r"\.[A-Za-z]\w*(?:[/\\]|$)")
+# A path of one segment is a file's from a drive, ~ or . (not .5/2), or with an extension
+# (`/key.pem`, `C:/secret.txt`, `~/.netrc`, `./key.pem`, `My Documents/key.txt`'s tail)
+_ONE_SEGMENT_FILE = re.compile(r"[A-Za-z]:|~|\.(?!\d)")
 # An address in a message (scheme://...), ending before the punctuation after it: its
 # path is the address's, not a file's (a file:// one's is a file's), and its query and
 # fragment may carry a key (`?api_key=...`, `#access_token=...`)
-_URL = re.compile(r"([A-Za-z][\w+.\-]*://[^\s'\"<>]*[^\s'\"<>.,;:!?)\]}])")
+_URL = re.compile(rf"{SCHEME_PREFIX}(?P<address>{SCHEME}[^\s'\"<>]*[^\s'\"<>.,;:!?)\]}}])")
 # The credentials of an address without a scheme, left out for clients as a URL's are
 # (`without_credentials`): a user:password@host (a library's words on a URL it could not
 # use: `svc:Sup3rS3cret@10.1.2.3`), its user no number (`12:00:01@UTC`) nor `mailto`, its
-# host one with a dot or a port
+# host one with a dot or a port. The password runs to the end of its stretch without
+# space, /, @ or quote, whichever user starts it: the stretch's end (an @ before a host)
+# is checked once at its start, then its first user:, and the rest (`before`) kept.
 _BARE_CREDENTIALS = re.compile(
-    r"(?<![\w.\-])(?!mailto:)[A-Za-z][\w.\-]*:[^\s/@'\"]+@(?=[\w\-]+(?:\.[\w\-]+)+|[\w\-]+:\d)"
+    r"(?<![^\s/@'\"])(?=[^\s/@'\"]*+@(?:[\w\-]++(?:\.[\w\-]++)+|[\w\-]++:\d))"
+    r"(?P<before>[^\s/@'\"]*?)(?<![\w.\-])(?!mailto:)[A-Za-z][\w.\-]*+:[^\s/@'\"]++@"
 )
 MAX_CLIENT_MESSAGE = 300  # characters of a failure's first line that a client is told
 MAX_TOKEN_SHOWN = 40  # characters of a token's text that a refusal names
@@ -538,21 +551,33 @@ def client_message(exc: BaseException) -> str:
     name, which is the server's code)."""
     if not str(exc).strip():
         return "the input was refused (no reason given)"
-    parts = _URL.split(first_line(exc))  # text, an address, text, ...
-    for at, part in enumerate(parts):
-        if at % 2:
-            part = without_credentials(part)
-            address, query, _ = part.partition("?")
-            address, fragment, _ = address.partition("#")
-            if address.lower().startswith("file:"):
-                address = "file://<path>"
-            parts[at] = address + ("?<query>" if query or fragment else "")
-        else:
-            part = _BARE_CREDENTIALS.sub("<credentials>@", part)
-            parts[at] = _PATHLIKE.sub(_path_left_out, part)
-    return "".join(parts)[:MAX_CLIENT_MESSAGE]
+    line = first_line(exc)
+    told, at = [], 0
+    for found in _URL.finditer(line):
+        told.append(_text_left_out(line[at : found.start("address")]))
+        told.append(_address_left_out(found["address"]))
+        at = found.end()
+    told.append(_text_left_out(line[at:]))
+    return "".join(told)[:MAX_CLIENT_MESSAGE]
+
+
+def _address_left_out(address: str) -> str:
+    address, query, _ = without_credentials(address).partition("?")
+    address, fragment, _ = address.partition("#")
+    if address.lower().startswith("file:"):
+        address = "file://<path>"
+    return address + ("?<query>" if query or fragment else "")
+
+
+def _text_left_out(text: str) -> str:
+    text = _BARE_CREDENTIALS.sub(r"\g<before><credentials>@", text)
+    return _PATHLIKE.sub(_path_left_out, text)
 
 
 def _path_left_out(found: re.Match[str]) -> str:
     path = found[0]
-    return "<path>" if _ROOTED.match(path) or _EXTENSION.search(path) else path
+    if path.count("/") + path.count("\\") == 1:  # one segment: and/or, 1/2, /health
+        is_file = _ONE_SEGMENT_FILE.match(path) or _EXTENSION.search(path)
+    else:
+        is_file = _ROOTED.match(path) or _EXTENSION.search(path)
+    return "<path>" if is_file else path
