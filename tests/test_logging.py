@@ -20,6 +20,7 @@ from rawserve.ops.loading import log_loading_progress
 from rawserve.options import parse_config
 from rawserve.shared import log_writer
 from rawserve.shared.logs import (
+    MAX_MESSAGE_CHARS,
     TEXT_FORMAT,
     JsonFormatter,
     TextFormatter,
@@ -147,10 +148,13 @@ def test_a_workers_prints_are_json_lines_too(json_lines):
     ]
 
 
-@pytest.mark.parametrize(("log_format", "swapped"), [("json", True), ("text", False)])
-def test_a_worker_s_standard_streams_log_their_lines_only_as_json(
+@pytest.mark.parametrize(("log_format", "swapped"), [("json", True), ("text", True)])
+def test_a_worker_s_standard_streams_log_their_lines_in_either_format(
     restore_logging, monkeypatch, log_format, swapped
 ):
+    """In text, a handler's print() was written raw: a client's input it printed started a
+    forged line of its own, or drove the terminal (now a line with the worker's prefix,
+    escaped as every line is)."""
     from rawserve.shared.logs import LinesToLog, setup_worker_logging
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # (put back after)
@@ -160,6 +164,47 @@ def test_a_worker_s_standard_streams_log_their_lines_only_as_json(
     assert isinstance(sys.stdout, LinesToLog) is swapped
     assert isinstance(sys.stderr, LinesToLog) is swapped
     assert sys.stderr.fileno() == stderr.fileno()  # a C library's writes: the same fd
+
+
+def test_a_worker_s_prints_in_text_are_lines_of_the_log(restore_logging, monkeypatch):
+    """A handler printing a client's text wrote it raw: a line of its own that read as the
+    server's (`... rawserve ERROR forged`), and a terminal's escape."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setattr(sys, "stdout", sys.stdout)
+    setup_worker_logging(0, {"RAWSERVE_LOG_FORMAT": "text"})
+    print("got: hi\r2026-01-01 00:00:00,000 rawserve ERROR forged\x1b[31m")
+    print("\n2026-01-01 00:00:00,000 rawserve ERROR forged too")
+    logging.captureWarnings(False)
+    log_writer.wait_written(5)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert all(re.match(r"\S+ \S+ worker-0 INFO ", line) for line in lines), lines
+    assert lines[0].endswith("got: hi\\x0d2026-01-01 00:00:00,000 rawserve ERROR forged\\x1b[31m")
+
+
+def raised(message: str) -> tuple:
+    try:
+        raise RuntimeError(message)
+    except RuntimeError:
+        return sys.exc_info()
+
+
+@pytest.mark.parametrize(
+    "message", ["y" * 3_000_000, "\n".join(f"line {n}" for n in range(300_000))]
+)
+def test_a_traceback_is_cut_as_a_message_is_keeping_its_end(message):
+    """A handler's error quoting a 3 MB input wrote a 3 MB line (the message was cut, its
+    traceback not): now its last lines, where the error is, each cut, about 16 KiB."""
+    made = record("the model failed")
+    made.exc_info = raised(message)
+    document = json.loads(JsonFormatter().format(made))
+    made.exc_text = None  # (the text formatter makes its own)
+    text = TextFormatter().format(made)
+    for written in (document["exception"], text):
+        assert len(written) < 2 * MAX_MESSAGE_CHARS
+        assert ("RuntimeError: yyy" in written) or written.endswith("line 299999")
+        assert "more characters)" in written or "lines left out)" in written
 
 
 def test_a_handler_s_transformers_lines_are_json_lines_from_its_factory_on(
@@ -287,7 +332,8 @@ def test_a_traceback_stays_on_one_line_in_both_formats():
 
 def test_a_message_past_its_bound_is_cut_in_both_formats():
     """A library's warning quoted a client's whole fill-mask target: one line of 900,000
-    characters a request. The message is cut, saying how much; a traceback is kept."""
+    characters a request. The message is cut, saying how much; so is a traceback, its
+    line of 32 KiB to 2 KiB (`test_a_traceback_is_cut_as_a_message_is_keeping_its_end`)."""
     from rawserve.shared.logs import MAX_MESSAGE_CHARS
 
     target = "q" * 900_000
@@ -300,7 +346,8 @@ def test_a_message_past_its_bound_is_cut_in_both_formats():
     for line in (TextFormatter().format(warned), JsonFormatter().format(warned)):
         assert len(line) < 4 * MAX_MESSAGE_CHARS
         assert f"... ({900_000 + 44 - MAX_MESSAGE_CHARS:,} more characters)" in line
-    assert "x" * (2 * MAX_MESSAGE_CHARS) in json.loads(JsonFormatter().format(warned))["exception"]
+    exception = json.loads(JsonFormatter().format(warned))["exception"]
+    assert exception.endswith(f"ValueError: {'x' * 2036}... (30,732 more characters)")
     short = record("fine")
     assert json.loads(JsonFormatter().format(short))["message"] == "fine"
     assert TextFormatter().format(short).endswith(" fine")

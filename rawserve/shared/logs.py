@@ -41,8 +41,10 @@ REQUEST_ID: ContextVar[str] = ContextVar("rawserve_request_id", default="")
 # A message is cut past this many characters: a library's warning may quote a client's
 # whole input (transformers' fill-mask wrote a 900,000-character target into one line),
 # and a request may not write its body into the log. Our own messages quote clients'
-# values cut far shorter; a traceback is kept whole.
+# values cut far shorter. A traceback (or a stack) is cut to as much again
+# (`bounded_traceback`): a handler's error quoting a 3 MB input wrote a 3 MB line.
 MAX_MESSAGE_CHARS = 16 * 1024
+MAX_TRACEBACK_LINE_CHARS = 2 * 1024  # of each of its lines: a frame's line is short
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -96,12 +98,32 @@ def _credentials_left_out(found: re.Match[str]) -> str:
     return f"{found['scheme']}<credentials>@"
 
 
-def bounded(message: str) -> str:
-    """`message`, cut past `MAX_MESSAGE_CHARS` with a note of how much was left out."""
-    if len(message) <= MAX_MESSAGE_CHARS:
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message`, cut past `limit` characters with a note of how much was left out."""
+    if len(message) <= limit:
         return message
-    cut = len(message) - MAX_MESSAGE_CHARS
-    return f"{message[:MAX_MESSAGE_CHARS]}... ({cut:,} more characters)"
+    return f"{message[:limit]}... ({len(message) - limit:,} more characters)"
+
+
+def bounded_traceback(text: str) -> str:
+    """A traceback (or a stack) cut to about `MAX_MESSAGE_CHARS`: each line to
+    `MAX_TRACEBACK_LINE_CHARS`, then its last lines kept, those before left out with a
+    note. The last lines are where the error is (its type and message, the frame that
+    raised it, the latest of a chain of exceptions); the first are rawserve's own frames
+    that called the handler or the library, the same in every traceback."""
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    lines = [bounded(line, MAX_TRACEBACK_LINE_CHARS) for line in text.splitlines()]
+    kept: list[str] = []
+    size = 0
+    for line in reversed(lines):
+        size += len(line) + 1
+        if size > MAX_MESSAGE_CHARS and kept:
+            break
+        kept.append(line)
+    left_out = len(lines) - len(kept)
+    note = [f"... ({left_out:,} lines left out)"] if left_out else []
+    return "\n".join(note + kept[::-1])
 
 
 def printable(line: str) -> str:
@@ -165,6 +187,12 @@ class TextFormatter(logging.Formatter):
         record.message = bounded(record.message)
         return super().formatMessage(record)
 
+    def formatException(self, ei: Any) -> str:  # noqa: N802
+        return bounded_traceback(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802
+        return bounded_traceback(super().formatStack(stack_info))
+
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         if datefmt is not None:
             return super().formatTime(record, datefmt)
@@ -201,6 +229,12 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             document["stack"] = self.formatStack(record.stack_info)
         return without_credentials(json_line(document))
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802
+        return bounded_traceback(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802
+        return bounded_traceback(super().formatStack(stack_info))
 
 
 def first_line(exc: BaseException) -> str:
@@ -282,23 +316,31 @@ def setup_worker_logging(label: str | int, environ: Mapping[str, str] | None = N
     format; each line names the worker (of several models, their workers log alike)."""
     env = os.environ if environ is None else environ
     log_format = env.get("RAWSERVE_LOG_FORMAT", "text")
+    for name in ("stdout", "stderr"):  # set up again: the log goes to the stream itself
+        stream = getattr(sys, name)
+        if isinstance(stream, LinesToLog):
+            setattr(sys, name, stream.stream)
     setup_logging(
         env.get("RAWSERVE_LOG_LEVEL", "info"),
         log_format if log_format in LOG_FORMATS else "text",
         text_format=f"%(asctime)s worker-{label} %(levelname)s %(message)s",
         fields={"worker": str(label)},
     )
-    if log_format == "json":  # a handler's print(), a library's writes: JSON lines too
-        sys.stdout = LinesToLog(logging.getLogger("stdout"), logging.INFO, sys.stdout)
-        sys.stderr = LinesToLog(logging.getLogger("stderr"), logging.WARNING, sys.stderr)
+    # A handler's print(), a library's writes: lines of the log in either format (JSON
+    # lines, or text lines with the worker's prefix, escaped as `printable`), never raw
+    # text, where a client's input a handler prints would start a forged line of its own
+    # or drive the terminal; cut as a message is
+    sys.stdout = LinesToLog(logging.getLogger("stdout"), logging.INFO, sys.stdout)
+    sys.stderr = LinesToLog(logging.getLogger("stderr"), logging.WARNING, sys.stderr)
 
 
 class LinesToLog(io.TextIOBase):
-    """A text stream whose every line is a record of `logger`: with --log-format json, a
-    worker's `print()` (a handler's), and what libraries write to `sys.stdout` or
-    `sys.stderr`, came out as plain text between the JSON objects, which a log shipper
-    that reads JSON chokes on. What is written to the file descriptor itself (a C
-    library's) still goes to `stream` as it is."""
+    """A text stream whose every line is a record of `logger`: a worker's `print()` (a
+    handler's), and what libraries write to `sys.stdout` or `sys.stderr`, came out as
+    plain text: between the JSON objects of --log-format json, which a log shipper that
+    reads JSON chokes on, and in text as a line of its own a client's input could forge.
+    What is written to the file descriptor itself (a C library's) still goes to `stream`
+    as it is."""
 
     def __init__(self, logger: logging.Logger, level: int, stream: TextIO):
         super().__init__()
