@@ -31,12 +31,12 @@ from rawserve.api.tokens import (
     ServerTokenizer,
     TokenBound,
     TooManyTokens,
-    pieces,
 )
 from rawserve.http.errors import PayloadTooLarge
 from rawserve.serving.service import ModelService
 from rawserve.shared.memory import give_back_free_memory
 from rawserve.tasks.text_generation import MIN_TOKENS_PAST_ROOM
+from rawserve.tasks.windows import pieces
 from tests.server import RunningServer
 from tests.test_api_shapes import Idle, Loaded, post
 

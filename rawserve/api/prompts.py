@@ -35,7 +35,6 @@ from typing import Any, TypeVar
 
 from rawserve.api.served import ServedModel
 from rawserve.api.tokens import (
-    COUNT_MARGIN,
     INLINE_LIMIT,
     AnswerTooLarge,
     ServerTokenizer,
@@ -46,7 +45,7 @@ from rawserve.api.tokens import (
 )
 from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
 from rawserve.tasks.text_generation import REASONING_END
-from rawserve.tasks.windows import TOKENS_PER_CHARACTER
+from rawserve.tasks.windows import COUNT_MARGIN, TOKENS_PER_CHARACTER
 
 T = TypeVar("T")
 

@@ -30,14 +30,11 @@ import tokenizers
 from rawserve.api.served import ServedModel
 from rawserve.http.encoding import dumps
 from rawserve.shared.memory import give_back_free_memory
-from rawserve.tasks.windows import PIECE_CHARS, count_past, pieces
+from rawserve.tasks.windows import COUNT_MARGIN, PIECE_CHARS, count_past, span_past
 
 # Work on more characters (or ids) than this goes to a thread; less is answered inline,
 # where a thread's hand-over would cost more than the work (about 2 ms at this size).
 INLINE_LIMIT = 4096
-# Pieces cut at whitespace may count a token or two apart from the whole text: a text
-# counted at most this far past the limit is encoded whole to know.
-COUNT_MARGIN = 8
 # Token objects are made (and written as JSON) this many at a time, so that their Python
 # objects, hundreds of bytes each, never pile up for a whole answer.
 TOKEN_SLICE = 4096
@@ -174,7 +171,8 @@ class ServerTokenizer:
         budget = max(bound.max_tokens - specials, 0)
         piece_start, piece_end = 0, len(text)
         if len(text) > PIECE_CHARS:
-            over = self._span_past(text, budget + COUNT_MARGIN, bound.direction == "left")
+            from_end = bound.direction == "left"
+            over = span_past(self._piece_tokens, text, budget + COUNT_MARGIN, from_end)
             if over is not None:
                 if not bound.truncate:
                     raise TooManyTokens(bound.max_tokens)
@@ -187,16 +185,6 @@ class ServerTokenizer:
             encoding.truncate(budget, direction=bound.direction)
         encoding = self.finisher.post_process(encoding, add_special_tokens=add_special)
         return encoding, piece_start
-
-    def _span_past(self, text: str, tokens: int, from_end: bool) -> tuple[int, int] | None:
-        """The span of `text` from its kept end that holds more than `tokens` tokens,
-        counted a piece at a time; None when the whole text holds no more."""
-        counted = 0
-        for start, end in pieces(text, PIECE_CHARS, from_end):
-            counted += len(self.tokenizer.encode(text[start:end], add_special_tokens=False))
-            if counted > tokens:
-                return (start, len(text)) if from_end else (0, end)
-        return None
 
     async def decode(self, id_lists: Sequence[Sequence[int]], skip_special: bool) -> list[str]:
         """Each list of ids as text; UnknownTokenId for an id outside the vocabulary."""

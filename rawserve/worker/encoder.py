@@ -21,6 +21,7 @@ from rawserve.models.sentence_folder import (
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.dense_layers import load_dense_layers
+from rawserve.worker.long_texts import encode_cut, narrowed_texts
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import (
@@ -141,19 +142,20 @@ class EncoderRunner(Runner):
         tokenizer.truncation_side = params.get("truncation_direction", "right")
         truncate = params.get("truncate", True)
         reading = {"truncation": truncate, "max_length": self.max_length if truncate else None}
-        if any(isinstance(item, list) for item in inputs):
-            encoded = tokenizer.pad(
-                [self._row(tokenizer, item, reading) for item in inputs],
-                padding=True,
-                return_tensors="pt",
-            )
-        else:
-            encoded = tokenizer(
-                [text.lower() for text in inputs] if self.lowercase else inputs,
-                padding=True,
-                return_tensors="pt",
-                **reading,
-            )
+        texts = [
+            text.lower() if self.lowercase and isinstance(text, str) else text for text in inputs
+        ]
+        # a long text cut first where it is truncated (`long_texts`), never where it is refused
+        cut = narrowed_texts(tokenizer, texts, self.max_length) if truncate else texts
+        mixed = any(isinstance(item, list) for item in inputs)
+
+        def encode(items: list[Any]) -> Any:
+            if mixed:  # token ids among the texts: a row each, then padded together
+                rows = [self._row(tokenizer, item, reading) for item in items]
+                return tokenizer.pad(rows, padding=True, return_tensors="pt")
+            return tokenizer(items, padding=True, return_tensors="pt", **reading)
+
+        encoded = encode_cut(encode, texts, cut, self.max_length)
         self.refuse_unreadable(encoded["input_ids"], tokenizer)
         length = encoded["input_ids"].shape[1]
         if length > self.max_length:
@@ -168,7 +170,7 @@ class EncoderRunner(Runner):
         they are, as the model's own tokenizer gives them (special tokens included), cut as
         a text is; a text beside them tokenized alone."""
         if not isinstance(item, list):
-            return dict(tokenizer(item.lower() if self.lowercase else item, **reading))
+            return dict(tokenizer(item, **reading))
         unknown = next((i for i in item if not 0 <= i < self.vocabulary), None)
         if unknown is not None:
             raise ValueError(

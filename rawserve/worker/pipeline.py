@@ -17,6 +17,7 @@ from rawserve.shared.messages import NO_CONTROL, Control, FailureKind, ItemFailu
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.cuda_graphs import GraphedForward, recording
 from rawserve.worker.images import blank_image, decode_image
+from rawserve.worker.long_texts import encode_cut, narrowed
 from rawserve.worker.model_classes import TASK_CLASSES, load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.pairs import cut_pair, cut_text
@@ -383,13 +384,23 @@ class PipelineRunner(Runner):
                     firsts[index], seconds[index] = cut_pair(
                         tokenizer, first, second, self.max_length
                     )
-        if all(second is None for second in seconds):
-            encoded = tokenizer(firsts, padding=True, return_tensors="pt", **options)
-        elif all(second is not None for second in seconds):
-            encoded = tokenizer(firsts, seconds, padding=True, return_tensors="pt", **options)
-        else:  # singles and pairs: each alone, then padded together
-            alone = [tokenizer(a, b, **options) for a, b in zip(firsts, seconds, strict=True)]
-            encoded = tokenizer.pad(alone, return_tensors="pt")
+        cut = firsts
+        if truncate and self.max_length is not None:  # a long single text cut first
+            cut = [
+                narrowed(tokenizer, first, self.max_length) if second is None else first
+                for first, second in zip(firsts, seconds, strict=True)
+            ]
+
+        def encode(texts: list[str]) -> Any:
+            if all(second is None for second in seconds):
+                return tokenizer(texts, padding=True, return_tensors="pt", **options)
+            if all(second is not None for second in seconds):
+                return tokenizer(texts, seconds, padding=True, return_tensors="pt", **options)
+            # singles and pairs: each alone, then padded together
+            alone = [tokenizer(a, b, **options) for a, b in zip(texts, seconds, strict=True)]
+            return tokenizer.pad(alone, return_tensors="pt")
+
+        encoded = encode_cut(encode, firsts, cut, self.max_length or 0)
         length = encoded["input_ids"].shape[1]
         if self.max_length is not None and length > self.max_length:
             raise ValueError(

@@ -33,6 +33,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
 from rawserve.tasks.seq2seq import OUTPUT_KEYS
+from rawserve.worker.long_texts import encode_cut, narrowed_texts
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.runner import (
     MODEL_SCORES_FAILED_MESSAGE,
@@ -237,12 +238,17 @@ class Seq2SeqLMRunner(Runner):
         own = {"max_new_tokens": configured.max_new_tokens, "max_length": configured.max_length}
         options = settled(options, caller, own)
         self.check_length(caller)
-        encoded = self.tokenizer(
-            [prefix + text for text in inputs],
-            padding=True,
-            return_tensors="pt",
-            **self.cut(params),
-        )
+        reading = self.cut(params)
+        texts = [prefix + text for text in inputs]
+
+        def encode(items: list[str]) -> Any:
+            return self.tokenizer(items, padding=True, return_tensors="pt", **reading)
+
+        if reading["truncation"]:  # a long text cut first (`long_texts`), as it is truncated
+            limit = reading["max_length"]
+            encoded = encode_cut(encode, texts, narrowed_texts(self.tokenizer, texts, limit), limit)
+        else:
+            encoded = encode(texts)
         encoded.pop("token_type_ids", None)  # tokenizers that make them; generate() refuses them
         self.refuse_unreadable(encoded["input_ids"])
         length = encoded["input_ids"].shape[1]

@@ -17,15 +17,21 @@ from typing import Any
 from rawserve.tasks.windows import count_past, surely_fit, too_many_windows, windows_fit
 
 
-def token_counter(tokenizer: Any) -> Callable[[str, int], int]:
-    """`count(text, most)`: `text`'s tokens, special ones left out, counted a piece at a
-    time no further than past `most` (never all of a huge text's tokens at once)."""
+def piece_counter(tokenizer: Any) -> Callable[[str], int]:
+    """`count(piece)`: a piece's tokens, special ones left out."""
 
     def piece_tokens(piece: str) -> int:
         # (verbose: no warning that a piece is longer than the model reads; it is counted)
         encoded = tokenizer(piece, add_special_tokens=False, truncation=False, verbose=False)
         return len(encoded["input_ids"])
 
+    return piece_tokens
+
+
+def token_counter(tokenizer: Any) -> Callable[[str, int], int]:
+    """`count(text, most)`: `text`'s tokens, special ones left out, counted a piece at a
+    time no further than past `most` (never all of a huge text's tokens at once)."""
+    piece_tokens = piece_counter(tokenizer)
     return lambda text, most: count_past(piece_tokens, text, most)
 
 
