@@ -73,11 +73,12 @@ def test_a_handlers_worker_loads_only_what_the_handler_imports():
         "replies_out.close()\n"
         "messages = MessageReader().read(replies_in.fileno())\n"
         "[result] = [m for m in messages if isinstance(m, BatchResult)]\n"
+        # (sys.stdout is the worker's log by now: what it prints becomes log lines)
         "print(json.dumps({\n"
         "    'said': [type(m).__name__ for m in messages],\n"
         "    'answered': [answer['input'] for answer in result.outputs],\n"
         "    'loaded': [m for m in ('torch', 'transformers') if m in sys.modules],\n"
-        "}))\n"
+        "}), file=sys.__stdout__)\n"
     )
     environment = {**os.environ, "RAWSERVE_TEST_OOM_ABOVE": "1"}
     done = subprocess.run(

@@ -411,12 +411,16 @@ async def test_a_worker_that_keeps_failing_to_load_once_served_says_why_once(mon
         worker.state, worker.process = WorkerState.LOADING, DyingProcess(0)
         pool._on_load_failed(worker, WorkerLoadFailed("FileNotFoundError: no such folder"))
         pool._on_exit(worker, worker.process)
-    said = [r.getMessage() for r in caplog.records if "starts failed" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records]
+    said = [line for line in lines if line.startswith("worker") and "starts failed" in line]
     assert said == [
         "worker 0: its last 2 starts failed (FileNotFoundError: no such folder); "
         "it keeps being tried again"
     ]
     assert not pool.healthy
+    # ... and once that the model is unhealthy, as /health turns 503
+    [unhealthy] = [line for line in lines if "is unhealthy" in line]
+    assert "(worker 0: its last 2 starts failed)" in unhealthy
 
 
 async def test_a_worker_that_keeps_failing_to_start_beside_one_loading_is_said_once(
