@@ -178,9 +178,34 @@ def test_a_worker_s_prints_in_text_are_lines_of_the_log(restore_logging, monkeyp
     logging.captureWarnings(False)
     log_writer.wait_written(5)
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3  # (a carriage return ends a line, as a progress bar's do)
     assert all(re.match(r"\S+ \S+ worker-0 INFO ", line) for line in lines), lines
-    assert lines[0].endswith("got: hi\\x0d2026-01-01 00:00:00,000 rawserve ERROR forged\\x1b[31m")
+    assert lines[0].endswith(" INFO got: hi")
+    assert lines[1].endswith(" INFO 2026-01-01 00:00:00,000 rawserve ERROR forged\\x1b[31m")
+
+
+def test_a_worker_s_streams_are_streams_and_take_a_progress_bar_in_linear_time():
+    """Wrapped in text too, a handler's `sys.stdout.buffer.write` and `reconfigure` were
+    500s and `encoding` None; writes with no newline (a progress bar's "\\r...") were
+    joined and split again at every write: 80,000 of them ran past a 30 s deadline."""
+    from rawserve.shared.logs import MAX_MESSAGE_CHARS, LinesToLog
+
+    said: list[str] = []
+
+    class Logger:
+        def log(self, level, form, line):
+            said.append(line)
+
+    raw = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    stream = LinesToLog(Logger(), logging.INFO, raw)  # type: ignore[arg-type]
+    assert stream.encoding == "utf-8" and stream.buffer is raw.buffer
+    stream.reconfigure(line_buffering=True)
+    for step in range(80_000):
+        stream.write(f"\r{step}")
+        assert len(stream.pending) <= MAX_MESSAGE_CHARS + 16
+    assert said[:2] == ["0", "1"] and len(said) == 79_999
+    stream.write("x" * (MAX_MESSAGE_CHARS + 1))  # a line's start is held no longer than a line
+    assert stream.pending == ""
 
 
 def raised(message: str) -> tuple:
@@ -205,6 +230,11 @@ def test_a_traceback_is_cut_as_a_message_is_keeping_its_end(message):
         assert len(written) < 2 * MAX_MESSAGE_CHARS
         assert ("RuntimeError: yyy" in written) or written.endswith("line 299999")
         assert "more characters)" in written or "lines left out)" in written
+    # its first lines too: the error's type and its message's first line (a message of
+    # many lines left only its last, the client's text)
+    if message.startswith("line"):
+        assert "RuntimeError: line 0" in document["exception"]
+        assert "RuntimeError: line 0" in text
 
 
 def test_a_handler_s_transformers_lines_are_json_lines_from_its_factory_on(

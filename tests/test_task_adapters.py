@@ -2638,13 +2638,17 @@ def test_a_handler_s_lazy_answers_raising_systemexit_fail_that_input_alone(
         "    if x == 'exit': sys.exit('a library gave up')\n"
         "    if x == 'interrupt': raise KeyboardInterrupt\n"
         "    if x == 'odd': raise Odd()\n"
+        "    if x == 'odd-base': raise OddBase()\n"
         "    return x.upper()\n"
+        "class OddBase(BaseException):\n"
+        "    def __str__(self):\n        raise SystemExit(1)\n"
         "def make():\n"
         f"    return lambda inputs, **params: {answers}\n"
     )
     serving = handler_runner(monkeypatch, tmp_path, source)
-    answers_got = run_bisecting(serving, ["a", "exit", "b", "interrupt", "c", "odd"], {})
-    assert answers_got[0::2] == ["A", "B", "C"]
+    sent = ["a", "exit", "b", "interrupt", "c", "odd", "d", "odd-base"]
+    answers_got = run_bisecting(serving, sent, {})
+    assert answers_got[0::2] == ["A", "B", "C", "D"]
     for failed in answers_got[1::2]:
         assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 

@@ -114,16 +114,24 @@ def bounded_traceback(text: str) -> str:
     if len(text) <= MAX_MESSAGE_CHARS:
         return text
     lines = [bounded(line, MAX_TRACEBACK_LINE_CHARS) for line in text.splitlines()]
+    # its first lines too (a quarter): an exception's message of many lines left only its
+    # last lines, the client's text, neither the error's type nor its first line
+    first = _lines_within(lines, MAX_MESSAGE_CHARS // 4)
+    last = _lines_within(lines[len(first) :][::-1], MAX_MESSAGE_CHARS - MAX_MESSAGE_CHARS // 4)
+    left_out = len(lines) - len(first) - len(last)
+    note = [f"... ({left_out:,} lines left out)"] if left_out else []
+    return "\n".join(first + note + last[::-1])
+
+
+def _lines_within(lines: list[str], size: int) -> list[str]:
+    """The first of `lines` that hold `size` characters together (one at least)."""
     kept: list[str] = []
-    size = 0
-    for line in reversed(lines):
-        size += len(line) + 1
-        if size > MAX_MESSAGE_CHARS and kept:
+    for line in lines:
+        size -= len(line) + 1
+        if size < 0 and kept:
             break
         kept.append(line)
-    left_out = len(lines) - len(kept)
-    note = [f"... ({left_out:,} lines left out)"] if left_out else []
-    return "\n".join(note + kept[::-1])
+    return kept
 
 
 def printable(line: str) -> str:
@@ -334,6 +342,9 @@ def setup_worker_logging(label: str | int, environ: Mapping[str, str] | None = N
     sys.stderr = LinesToLog(logging.getLogger("stderr"), logging.WARNING, sys.stderr)
 
 
+_LINE_ENDS = re.compile(r"\r\n|[\r\n]")
+
+
 class LinesToLog(io.TextIOBase):
     """A text stream whose every line is a record of `logger`: a worker's `print()` (a
     handler's), and what libraries write to `sys.stdout` or `sys.stderr`, came out as
@@ -350,11 +361,31 @@ class LinesToLog(io.TextIOBase):
         self.pending = ""  # a line's start, until its end is written
 
     def write(self, text: str) -> int:
-        *lines, self.pending = (self.pending + text).split("\n")
+        # (a progress bar's writes end in "\r": each a line; a line's start held no longer
+        # than a message may be: split anew at each write, it took quadratic time)
+        if "\n" not in text and "\r" not in text:
+            self.pending += text
+            if len(self.pending) > MAX_MESSAGE_CHARS:
+                self._log(self.pending)
+                self.pending = ""
+            return len(text)
+        *lines, self.pending = _LINE_ENDS.split(self.pending + text)
         for line in lines:
-            if line.strip():
-                self.logger.log(self.level, "%s", line.rstrip())
+            self._log(line)
         return len(text)
+
+    def _log(self, line: str) -> None:
+        if line.strip():
+            self.logger.log(self.level, "%s", line.rstrip())
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self.stream, "encoding", None) or "utf-8")
+
+    def __getattr__(self, name: str) -> Any:
+        # what a stream has beside text lines (`buffer`, `reconfigure`, `errors`): the
+        # stream's own, written as it is (a C library's writes are, too)
+        return getattr(self.stream, name)
 
     def fileno(self) -> int:
         return self.stream.fileno()

@@ -83,7 +83,10 @@ def exits_as_errors() -> Iterator[None]:
     except Exception:
         raise
     except BaseException as exc:
-        told = f": {exc}" if str(exc) else ""
+        try:
+            told = f": {exc}" if str(exc) else ""
+        except BaseException:  # noqa: BLE001 - its str() raises (SystemExit too): untold
+            told = ""
         raise HandlerStopped(f"the handler raised {type(exc).__name__}{told}") from exc
 
 
