@@ -2307,6 +2307,36 @@ def test_a_chat_template_that_is_not_jinja_fails_the_load_not_each_chat(tiny_mod
     CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, "{{ messages[0].content + 1 }}")
 
 
+def test_a_models_own_chat_template_that_is_not_jinja_is_set_aside_at_load(
+    tiny_model, tmp_path, caplog
+):
+    """A folder's own template that is not Jinja loads the model (its completions are
+    fine) with a line saying so, and its chats are refused in words as a model's without
+    a template: each chat was a 422 that blamed its messages."""
+    import shutil
+
+    import torch
+
+    from rawserve.api.openai import check_chat_template
+    from rawserve.http.errors import BadRequest
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model("chat"), folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    with caplog.at_level(logging.WARNING, logger="rawserve.worker"):
+        runner = CausalLMRunner(str(folder), "cpu", torch.float32)
+    assert "the model's own chat template is not valid Jinja: " in caplog.text
+    assert runner.details["chat_template_invalid"] and not runner.details["chat_template"]
+    [answer] = runner.run(["the movie was"], {**GREEDY, "max_new_tokens": 3})[0]
+    assert answer["details"]["generated_tokens"] == 3
+    served = SimpleNamespace(
+        serving=SimpleNamespace(loaded=SimpleNamespace(details=runner.details))
+    )
+    with pytest.raises(BadRequest, match="own chat template is not valid Jinja"):
+        check_chat_template(served)
+
+
 def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role(tiny_model):
     import torch
 
@@ -3531,6 +3561,37 @@ def test_a_static_generation_runs_to_the_length_its_generation_config_sets(tiny_
     runner = configured_runner(tiny_model, tmp_path / "m", max_new_tokens=10)
     [answer] = runner.run(["Once upon a time"], {"ignore_eos": True, "details": True})[0]
     assert answer["details"]["generated_tokens"] == 10 == runner.limits.default_new_tokens
+
+
+def test_a_generation_config_max_length_bounds_the_prompt_and_its_answer(tiny_model, tmp_path):
+    """A generation config's `max_length` (and no `max_new_tokens`) counts the prompt too,
+    as transformers' pipeline runs it: a request naming no length stops there, in the
+    continuous loop and through `generate`, and a prompt that already reaches it is
+    refused in words (the pipeline's ValueError); one naming its length is not bounded.
+    The pipeline's 256 new tokens ran past it."""
+    import transformers
+
+    runner = configured_runner(tiny_model, tmp_path / "m", max_length=10)
+    assert runner.limits.default_new_tokens == 9  # (after a one-token prompt)
+    prompts = ["hello", "the movie was good and"]
+    lengths = [len(runner.tokenizer(text)["input_ids"]) for text in prompts]
+    pipe = transformers.pipeline("text-generation", model=runner.model, tokenizer=runner.tokenizer)
+    expected = [pipe(text, do_sample=False, return_full_text=False)[0] for text in prompts]
+    unasked = {"do_sample": False, "details": True, "ignore_eos": True, "return_full_text": False}
+    static = [answer for [answer] in runner.run(prompts, dict(unasked))]
+    looped = results(serve(runner, {0: [Batch(1, tuple(prompts), unasked)]}))[1].outputs
+    for answers in (static, [answer for [answer] in looped]):
+        assert [answer["details"]["generated_tokens"] for answer in answers] == [
+            10 - length for length in lengths
+        ]
+        assert [answer["details"]["finish_reason"] for answer in answers] == ["length"] * 2
+        assert [answer["generated_text"] for answer in answers] == [
+            answer["generated_text"] for answer in expected
+        ]
+    asked = runner.run(["the movie was good and"], {**unasked, "max_new_tokens": 12})
+    assert asked[0][0]["details"]["generated_tokens"] == 12
+    with pytest.raises(ValueError, match="max_length 10 tokens, the prompt included"):
+        runner.run(["one two three four five six seven eight nine ten"], dict(unasked))
 
 
 def test_a_server_that_is_gone_ends_the_loop(runner):

@@ -574,6 +574,11 @@ CONTEXT_LENGTH = "longer than the model's context length"
 def check_chat_template(model: ServedModel) -> None:
     """400 where the model has no chat template to render messages with."""
     loaded = model.serving.loaded
+    if loaded is not None and loaded.details.get("chat_template_invalid"):
+        raise BadRequest(
+            "this model's own chat template is not valid Jinja (the server's log says "
+            "where): start the server with --chat-template FILE, or use /v1/completions"
+        )
     if loaded is not None and not loaded.details.get("chat_template"):
         raise BadRequest(
             "this model's tokenizer has no chat template: start the server with "

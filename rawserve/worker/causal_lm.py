@@ -13,6 +13,7 @@ settings of each request, the answer's shape, and the items it hands the continu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
@@ -40,7 +41,7 @@ from rawserve.tasks.text_generation import (
 )
 from rawserve.worker.beam_search import BEAMS_REFUSE_GRAMMARS, BeamStops, beam_count, replay
 from rawserve.worker.chat_controls import can_sanitize
-from rawserve.worker.chat_rendering import ChatRenderer, check_template
+from rawserve.worker.chat_rendering import ChatRenderer, check_template, template_fault
 from rawserve.worker.continuous import (
     Generation,
     cache_keyword,
@@ -90,6 +91,8 @@ from rawserve.worker.text_pieces import (
     prompt_context,
     text_before,
 )
+
+log = logging.getLogger("rawserve.worker")
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
@@ -236,9 +239,20 @@ class CausalLMRunner(Runner):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         # --chat-template: for a tokenizer that has none, or to replace its own
+        self.template_fault = ""  # why the model's own chat template is not used
         if chat_template is not None:
             tokenizer.chat_template = chat_template
             check_template(tokenizer)
+        elif tokenizer.chat_template and (fault := template_fault(tokenizer)):
+            # served as a model without one (/v1/completions, /generate), its chats refused
+            # in words, not each a 422 that blames its messages
+            log.warning(
+                "the model's own chat template is not valid Jinja: %s; chats are refused "
+                "(--chat-template FILE gives one)",
+                fault,
+            )
+            self.template_fault = fault
+            tokenizer.chat_template = None
         self.chat = ChatRenderer(tokenizer)
         if tokenizer.chat_template:
             can_sanitize(tokenizer)
@@ -256,6 +270,12 @@ class CausalLMRunner(Runner):
         configured = generation_config.to_diff_dict()
         # a prompt and its new tokens at most (bounded where the config names no positions)
         self.max_positions = generation_positions(self.model.config, tokenizer)
+        # a length the generation config sets as `max_length` counts the prompt too, as
+        # `generate` reads it; the pipeline's max_new_tokens would override it, so it adds none
+        self.total_length: int | None = None
+        if "max_length" in configured and "max_new_tokens" not in configured:
+            self.total_length = int(configured["max_length"])
+            configured["max_new_tokens"] = None
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
         # whether it samples, said outright: the pipeline's temperature is for sampling only
         self.defaults["do_sample"] = bool({**PIPELINE_DEFAULTS, **configured}["do_sample"])
@@ -346,6 +366,8 @@ class CausalLMRunner(Runner):
         # what `generate` runs to where a request names no length (the pipeline's default
         # unless the model's generation config sets one)
         default = self.defaults.get("max_new_tokens", config.max_new_tokens) or 0
+        if self.total_length is not None:  # (the most it leaves: after a one-token prompt)
+            default = self.total_length - 1
         return ModelLimits(
             max_new_tokens=most,
             default_new_tokens=min(default, most),
@@ -356,6 +378,7 @@ class CausalLMRunner(Runner):
     def details(self) -> dict[str, Any]:
         return {
             "chat_template": bool(self.tokenizer.chat_template),
+            "chat_template_invalid": bool(self.template_fault),
             # (so earlier answers' thinking is not counted against the positions)
             "chat_drops_reasoning": REASONING_END in str(self.tokenizer.chat_template),
             # (so an answer calls one tool: a list of calls would be refused the next turn)
@@ -487,6 +510,14 @@ class CausalLMRunner(Runner):
         self.refuse_unreadable([ids])
         return ids
 
+    def _unasked_new_tokens(self, prompt_length: int) -> int:
+        """The new tokens a prompt gets where neither the request nor the model's
+        generation config names them: what its `max_length` leaves after the prompt (as
+        `generate` counts it), else the pipeline's default."""
+        if self.total_length is None:
+            return int(PIPELINE_DEFAULTS["max_new_tokens"])
+        return max(self.total_length - prompt_length, 0)
+
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
         """ValueError when the new tokens asked, or a prompt, cannot fit the positions (a
         prompt only scored, max_new_tokens 0, may fill them: no token follows it), or
@@ -506,6 +537,12 @@ class CausalLMRunner(Runner):
             raise ValueError(
                 f"the prompt is {longest_prompt} tokens, which is longer than the model's "
                 f"context length: it takes at most {most} to leave room for one new token"
+            )
+        if asked is None and self.total_length is not None and longest_prompt >= self.total_length:
+            raise ValueError(
+                f"the prompt is {longest_prompt} tokens, and this model's generation config "
+                f"ends an answer at max_length {self.total_length} tokens, the prompt "
+                "included: ask for max_new_tokens (OpenAI's max_tokens) to generate past it"
             )
         least = int(params.get("min_new_tokens") or 0)  # as asked (not the model's own)
         room = self.max_positions - longest_prompt
@@ -539,7 +576,7 @@ class CausalLMRunner(Runner):
         generation = Generation(
             key,
             ids,
-            max_new_tokens=PIPELINE_DEFAULTS["max_new_tokens"] if asked is None else asked,
+            max_new_tokens=self._unasked_new_tokens(len(ids)) if asked is None else asked,
             do_sample=bool(setting("do_sample")),
             temperature=setting("temperature") or 1.0,
             top_k=setting("top_k"),
@@ -737,7 +774,7 @@ class CausalLMRunner(Runner):
         encoded = self.prompts(inputs, params)
         kwargs = generate_kwargs(params, self.defaults)
         # unasked, the length its generation config sets (`self.defaults` leaves it out)
-        kwargs.setdefault("max_new_tokens", self.limits.default_new_tokens)
+        asked = kwargs.pop("max_new_tokens", self.model.generation_config.max_new_tokens)
         lengths = [int(n) for n in encoded["attention_mask"].sum(-1).tolist()]
         self._check_lengths(params, max(lengths))
         # Each row's own cap: a prompt and its new tokens past the positions stop there
@@ -745,7 +782,8 @@ class CausalLMRunner(Runner):
         # batch-mate's long prompt never cuts a short one's room (one call takes one cap).
         groups: dict[int, list[int]] = {}
         for row, length in enumerate(lengths):
-            cap = min(kwargs["max_new_tokens"], self.max_positions - length)
+            most = self._unasked_new_tokens(length) if asked is None else asked
+            cap = min(most, self.max_positions - length)
             groups.setdefault(cap, []).append(row)
         # A seeded sample repeats whatever runs beside it, as in the continuous loop: one
         # `generate` draws all its rows from one generator, so each seeded row runs alone,

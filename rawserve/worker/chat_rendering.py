@@ -64,18 +64,24 @@ def nine_characters(call_id: str) -> str:
     return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
-def check_template(tokenizer: Any) -> None:
-    """ValueError, at load, for a --chat-template that is not Jinja: each chat would
-    otherwise be refused with 422 as if its messages were at fault. (Rendering a chat
-    compiles the whole template; only a syntax error is the template's own fault.)"""
+def template_fault(tokenizer: Any) -> str:
+    """What makes the tokenizer's chat template not Jinja ("": nothing), found by rendering
+    a one-message chat. (Rendering compiles the whole template; only a syntax error is the
+    template's own fault: what it does with a chat is for each request.)"""
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(
-            f"--chat-template: the template is not valid Jinja: {exc} (line {exc.lineno})"
-        ) from None
-    except Exception:  # noqa: BLE001 - what it does with this chat is for each request
+        return f"{exc} (line {exc.lineno})"
+    except Exception:  # noqa: BLE001 - a chat's own failure, not the template's
         pass
+    return ""
+
+
+def check_template(tokenizer: Any) -> None:
+    """ValueError, at load, for a --chat-template that is not Jinja: each chat would
+    otherwise be refused with 422 as if its messages were at fault."""
+    if fault := template_fault(tokenizer):
+        raise ValueError(f"--chat-template: the template is not valid Jinja: {fault}")
 
 
 class ChatRenderer:
