@@ -184,6 +184,24 @@ def test_a_t5_encoder_alone_serves_sentence_vectors_as_sentence_transformers_com
     np.testing.assert_allclose(np.array(served), expected.numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("engine", [Engine.TORCH, pytest.param(Engine.ONNX, marks=NEEDS_ONNX)])
+def test_a_config_whose_labels_leave_a_gap_names_each_output(tiny_model, tmp_path, engine):
+    """An `id2label` with a gap ({0: L0, 2: L2} for a head of two outputs) names the
+    missing output as transformers names one a config leaves out: the pipeline failed on
+    it (a 500 at `top_k`), /predict named it LABEL_1, /info listed the config's keys."""
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / "gap"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["id2label"], config["label2id"] = {"0": "L0", "2": "L2"}, {"L0": 0, "L2": 2}
+    (folder / "config.json").write_text(json.dumps(config))
+    gap = load_runner(worker_config(str(folder), None, dtype="float32", engine=engine), "cpu")
+    assert gap.details["id2label"] == {"0": "L0", "1": "LABEL_1"}
+    [answers] = gap.run(["a good movie"], {"top_k": None})
+    assert sorted(answer["label"] for answer in answers) == ["L0", "LABEL_1"]
+
+
 def test_a_zero_shot_requests_labels_are_scored_together_not_one_pass_each(runner):
     """The pipeline scores each (text, label) pair; a request's pairs go through the
     model in passes of many, up to a bound, not one forward pass a label."""

@@ -173,7 +173,20 @@ def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrai
             f"none of the checkpoint's weights are {type(model).__name__}'s: they are "
             "another model's, or named otherwise, and every answer would be noise"
         )
+    every_output_labelled(model.config)
     return model, untrained(model, missing, UNREAD_WEIGHTS.get(class_name, ()))
+
+
+def every_output_labelled(config: Any) -> None:
+    """A label for each of the head's outputs, as transformers names one a config leaves
+    out (`LABEL_1`): an `id2label` with a gap ({0: NEG, 2: POS} for two outputs) failed
+    the pipeline at the missing one (a 500 at `top_k`), while /predict named it and /info
+    listed the config's keys, which the head does not have."""
+    labels = getattr(config, "id2label", None)
+    if not isinstance(labels, dict) or sorted(labels) == list(range(len(labels))):
+        return
+    config.id2label = {i: labels.get(i, f"LABEL_{i}") for i in range(config.num_labels)}
+    config.label2id = {label: i for i, label in config.id2label.items()}
 
 
 # the seed of the weights a checkpoint has none for: every worker, and every restart of

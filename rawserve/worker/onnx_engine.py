@@ -59,7 +59,7 @@ from rawserve.shared.logs import first_line
 from rawserve.shared.memory import give_back_free_memory
 from rawserve.worker import engine_trial
 from rawserve.worker.graph_cache import CacheNotWritable, NothingToCache, cached_graph, identity
-from rawserve.worker.model_classes import Untrained, load_model
+from rawserve.worker.model_classes import Untrained, every_output_labelled, load_model
 
 log = logging.getLogger("rawserve.onnx")
 
@@ -258,6 +258,7 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     head = HEADS[task]
     folder = Path(model)
     config = transformers.AutoConfig.from_pretrained(model)
+    every_output_labelled(config)
     cores = cpu_cores()
     cache_dir = cache_dir or engine_trial.default_cache_dir()
     shipped = folder / SHIPPED_GRAPH
