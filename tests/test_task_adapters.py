@@ -2249,6 +2249,27 @@ def test_a_model_transformers_would_fail_to_load_is_refused_naming_the_file(
     assert "[y/N]" not in capfd.readouterr().out
 
 
+def test_a_known_model_type_whose_architecture_is_its_own_code_needs_its_task_named(
+    tiny_model, tmp_path
+):
+    """A bert whose `architectures` names its own class (auto_map) had its task guessed
+    from that class's name ("...Model": feature-extraction), its trained head dropped
+    unsaid; named, the task serves the folder as transformers' own class."""
+    from rawserve.models.folder import read_facts
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    own = {"AutoModelForSequenceClassification": "org/repo--modeling_my.BertWithMyHeadModel"}
+    with_config(architectures=["BertWithMyHeadModel"], auto_map=own)(folder)
+    with pytest.raises(ValueError) as caught:
+        read_facts(folder, None, None)
+    assert str(caught.value).startswith(
+        "config.json's architecture 'BertWithMyHeadModel' is the model's own Python code "
+        "(auto_map), which rawserve does not run (no trust_remote_code): name the task"
+    )
+    assert read_facts(folder, "text-classification", None).task == "text-classification"
+
+
 @pytest.mark.parametrize(
     ("kind", "task", "says"),
     [

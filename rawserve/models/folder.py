@@ -8,6 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from typing import Any
 
 from rawserve.models.json_files import json_file, json_object, read_json
 from rawserve.models.sentence_folder import (
@@ -338,12 +339,32 @@ def is_masked_lm(model_dir: Path) -> bool:
     return any(str(name).endswith("MaskedLM") for name in config.get("architectures") or [])
 
 
+def own_classes(config: dict[str, Any]) -> set[str]:
+    """The class names config.json's `auto_map` gives the model's own Python code
+    ("modeling_x.MyModel", "org/repo--modeling_x.MyModel", or a tokenizer's pair)."""
+    auto_map = config.get("auto_map")
+    named: set[str] = set()
+    for value in auto_map.values() if isinstance(auto_map, dict) else ():
+        for reference in value if isinstance(value, list) else [value]:
+            if isinstance(reference, str):
+                named.add(reference.rpartition(".")[2])
+    return named
+
+
 def infer_task(model_dir: Path) -> str:
     """The task of a local model folder, from sentence-transformers files or config.json."""
     if (model_dir / "modules.json").is_file():
         return "feature-extraction"
     config = json_object(model_dir / "config.json")
+    own_code = own_classes(config)
     for architecture in config.get("architectures") or []:
+        if architecture in own_code:  # (its task would be guessed from its name alone)
+            raise ValueError(
+                f"config.json's architecture {architecture!r} is the model's own Python code "
+                "(auto_map), which rawserve does not run (no trust_remote_code): "
+                f"{NAME_THE_TASK} to serve it as transformers' own class for its model_type "
+                f"{config.get('model_type')!r}, without what that code adds"
+            )
         for ending, task in ARCHITECTURE_TASKS:
             if architecture.endswith(ending):
                 return task
