@@ -4,6 +4,7 @@ batching that answers what single calls answer, and the pipelines' list habits."
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
@@ -2207,6 +2208,19 @@ def cut_short(folder: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:-100])  # a download interrupted
 
 
+def as_bin(folder: Path, cut: int = 0) -> None:
+    """The weights as torch.save'd pytorch_model.bin (its last `cut` bytes lost)."""
+    import safetensors.torch
+    import torch
+
+    weights = folder / "model.safetensors"
+    torch.save(safetensors.torch.load_file(weights), folder / "pytorch_model.bin")
+    weights.unlink()
+    if cut:
+        written = (folder / "pytorch_model.bin").read_bytes()
+        (folder / "pytorch_model.bin").write_bytes(written[:-cut])
+
+
 def with_config(**changes):
     def change(folder: Path) -> None:
         config = json.loads((folder / "config.json").read_text())
@@ -2228,6 +2242,14 @@ OWN_CODE = {"AutoConfig": "configuration_my.MyConfig", "AutoModel": "modeling_my
             "model's own Python code (auto_map), which rawserve does not run",
         ),
         (with_config(model_type="frobnicator"), "config.json's model_type 'frobnicator' is not"),
+        (
+            with_config(id2label={"neg": "NEGATIVE", "pos": "POSITIVE"}),
+            "config.json's id2label keys are the head's outputs, numbered from 0, not 'neg'",
+        ),
+        (
+            functools.partial(as_bin, cut=300),
+            "pytorch_model.bin is not a whole PyTorch checkpoint (its zip archive is cut short",
+        ),
     ],
 )
 def test_a_model_transformers_would_fail_to_load_is_refused_naming_the_file(
@@ -2247,6 +2269,16 @@ def test_a_model_transformers_would_fail_to_load_is_refused_naming_the_file(
         load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
     assert str(caught.value).startswith(says) and "\n" not in str(caught.value)
     assert "[y/N]" not in capfd.readouterr().out
+
+
+def test_a_whole_pytorch_checkpoint_loads(tiny_model, tmp_path):
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    as_bin(folder)
+    loaded = load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
+    assert loaded.run(["a good movie"], {})[0]["label"] in ("NEGATIVE", "POSITIVE")
 
 
 def test_a_known_model_type_whose_architecture_is_its_own_code_needs_its_task_named(

@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import json
 import logging
+import zipfile
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -344,14 +345,34 @@ def refuse_unloadable_files(folder: Path) -> None:
             f"config.json's model_type {model_type!r} is not one transformers "
             f"{transformers.__version__} knows: a later transformers may serve it"
         )
+    labels = config.get("id2label")
+    if isinstance(labels, dict) and (odd := [k for k in labels if not str(k).isdigit()]):
+        raise ValueError(
+            f"config.json's id2label keys are the head's outputs, numbered from 0, not {odd[0]!r}"
+        )
     for path in sorted(folder.glob("*.safetensors")):
         try:
             with safetensors.safe_open(str(path), framework="pt"):
                 pass
         except safetensors.SafetensorError as exc:
             raise ValueError(
-                f"{path.name} is not a whole safetensors file ({exc}): download it again"
+                f"{path.name} is not a whole safetensors file ({exc}): download or save it again"
             ) from None
+    for path in sorted(folder.glob("pytorch_model*.bin")):
+        if not whole_archive(path):
+            raise ValueError(
+                f"{path.name} is not a whole PyTorch checkpoint (its zip archive is cut short "
+                "or corrupt): download or save it again"
+            )
+
+
+def whole_archive(path: Path) -> bool:
+    """Whether a torch.save file's zip archive has its directory (at its end: a file cut
+    short has none). A checkpoint of torch before 1.6 is a plain pickle, not checked."""
+    with path.open("rb") as file:
+        if file.read(2) != b"PK":
+            return True
+    return zipfile.is_zipfile(path)
 
 
 def refuse_without_vocabulary(tokenizer: Any, folder: Path) -> None:
