@@ -109,6 +109,9 @@ def test_ready_with_full_ok_counts_a_full_queue_as_ready():
     assert ready("/ready?full=ok")[0] == 503
     app.start_draining()
     assert ready("/ready/model?full=ok") == (503, {"status": "draining"})
+    # told when to come back, as the work it refuses is (a proxy's next try goes elsewhere)
+    drained = app.answer_now(request("GET", "/ready"))
+    assert drained is not None and ("Retry-After", "1") in drained.headers
 
 
 async def test_inference_goes_the_long_way_until_the_queue_is_full(app):

@@ -18,6 +18,7 @@ from rawserve.api import schemas
 from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import loading_retry_after
+from rawserve.api.outcomes import DEFAULT_RETRY_AFTER
 from rawserve.api.routing import Handler, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.tei import tei_info
@@ -128,8 +129,9 @@ class OperationsRoutes:
         """200 when every served model (or `model` alone) takes work now: loaded, warm and
         with room in its queue (or full, with `?full=ok`); 503 otherwise, saying why."""
         full_is_ready = full_counts_as_ready(request.query)
-        if self.gate.draining:
-            return json_response(503, {"status": "draining"})
+        if self.gate.draining:  # (with the Retry-After of the work it refuses now)
+            headers = [("Retry-After", str(math.ceil(DEFAULT_RETRY_AFTER)))]
+            return json_response(503, {"status": "draining"}, headers)
         models = [model] if model is not None else self.models.all
         statuses = {served.name: self.readiness(served) for served in models}
         # /ready of several models also says each one's status
