@@ -79,6 +79,7 @@ from rawserve.http.flow_control import (
     unsent_in_kernel,
 )
 from rawserve.http.handshake import begun_now
+from rawserve.http.head_lines import HeadLines
 from rawserve.http.limits import (
     LINGER_SECONDS,
     PROBE_RESERVE,
@@ -212,6 +213,7 @@ class HttpProtocol(asyncio.Protocol):
         # per request
         self.cycle: Cycle | None = None
         self.head_started = 0.0  # when the head now being read began to come
+        self.head_lines = HeadLines()  # its lines so far, counted before h11 parses them
 
     def _new_h11(self) -> h11.Connection:
         return h11.Connection(h11.SERVER, max_incomplete_event_size=self.settings.max_head_bytes)
@@ -224,6 +226,7 @@ class HttpProtocol(asyncio.Protocol):
         self.answer_going = None
         if phase is Phase.HEAD:  # (a pipelined head too: its reading starts now)
             self.head_started = time.perf_counter()
+            self.head_lines = HeadLines()
         # an idle one gives way past the cap, as one silent in its TLS handshake does
         waiting = phase in (Phase.IDLE, Phase.HANDSHAKE)
         self.seats.mark(self, self.loop.time() if waiting else None)
@@ -414,6 +417,8 @@ class HttpProtocol(asyncio.Protocol):
                 self._fail(refusals.not_plain_http())
                 return
         elif self.phase is Phase.BODY and not self._measure_chunks(data):
+            return
+        if self.phase is Phase.HEAD and self._too_many_lines(data):
             return
         try:
             self.conn.receive_data(data)
@@ -879,7 +884,7 @@ class HttpProtocol(asyncio.Protocol):
             self.conn.receive_data(unread)
         if closed:
             self.conn.receive_data(b"")
-        self._next_request(bool(unread))
+        self._next_request(unread)
 
     def _finish_cycle(self, close: bool) -> None:
         """Keep the connection for the next request, or close it, once an answer is
@@ -893,10 +898,19 @@ class HttpProtocol(asyncio.Protocol):
         if unread[:1] in (b"\r", b"\n"):  # h11 would refuse the empty line
             self._read_afresh(unread, closed)
             return
-        self._next_request(bool(unread))
+        self._next_request(unread)
 
-    def _next_request(self, unread: bool) -> None:
+    def _too_many_lines(self, data: bytes) -> bool:
+        """Count the head's lines in `data`; past the limit, refuse it (431) unparsed."""
+        self.head_lines.add(data)
+        if self.head_lines.too_many:
+            self._fail(refusals.too_many_header_lines())
+        return self.head_lines.too_many
+
+    def _next_request(self, unread: bytes) -> None:
         self._enter(Phase.HEAD if unread else Phase.IDLE)  # it may be (partly) here already
+        if unread and self._too_many_lines(unread):  # (a pipelined head, read ahead)
+            return
         if not self._flow.write_paused:  # else resume_writing carries on
             self.handle_events()  # reading resumes once h11 needs data
 

@@ -24,6 +24,7 @@ from rawserve.http.errors import (
     ServiceUnavailable,
     URITooLong,
 )
+from rawserve.http.head_lines import MAX_HEADER_LINES
 
 log = logging.getLogger("rawserve.protocol")
 
@@ -113,6 +114,10 @@ def protocol_error(
     if exc.error_status_hint == 431:
         return HeadersTooLarge("request headers too large")
     return BadRequest("malformed HTTP request")
+
+
+def too_many_header_lines() -> HeadersTooLarge:
+    return HeadersTooLarge(f"the request has more than {MAX_HEADER_LINES} header fields")
 
 
 def request_line_too_long() -> URITooLong:
