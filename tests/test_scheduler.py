@@ -888,12 +888,31 @@ def test_batches_in_flight_are_not_summed_when_their_whole_time_leaves_room(monk
     queue_items(core, [text(100)] * 10)
     assert len(next_batch(core, now=0.0)) == 10  # 10 s predicted, 5 s on each of 2 workers
     summed = []
-    sum_left = core._in_flight_seconds
-    monkeypatch.setattr(core, "_in_flight_seconds", lambda now: summed.append(now) or sum_left(now))
+    sum_left = core._in_flight_wait
+    monkeypatch.setattr(core, "_in_flight_wait", lambda now: summed.append(now) or sum_left(now))
     queue_items(core, ["x"], now=0.0, deadline=ADMIT_MARGIN * 5 + 0.5)
     assert summed == []
     queue_items(core, ["y"], now=1.0, deadline=1.0 + ADMIT_MARGIN * 4.5 + 0.5)  # 4.5 s left
     assert set(summed) == {1.0}  # (for y, and for x, which y goes before)
+
+
+def test_a_worker_busy_alone_is_no_reason_to_refuse_what_an_idle_one_takes_at_once():
+    """One of two workers runs a 4.5 s batch, the other is idle: a short request due in
+    1 s goes to the idle one. The batch's time shared out among both (2.25 s each) made
+    it a 503, "work queued ahead would outlast the request's deadline", every time."""
+    core = SchedulerCore(max_batch_size=32, workers=2)
+    measured(core, seconds_per_token=0.001, fixed=0.01)
+    queue_items(core, [text(150)] * 30)
+    assert len(next_batch(core, now=0.0)) == 30  # 4.5 s, on one worker
+    queue_items(core, [text(10)], now=0.0, deadline=1.0)
+    short = next_batch(core, now=0.0)
+    assert len(short) == 1
+    core.finish_batch(short, 0.01)
+    # both busy for 4.5 s: it would wait for one of them, and is refused
+    queue_items(core, [text(150)] * 30, now=0.01)
+    assert len(next_batch(core, now=0.01)) == 30
+    with pytest.raises(DeadlineUnreachable):
+        queue_items(core, [text(10)], now=0.01, deadline=1.0)
 
 
 def test_nothing_queued_ahead_is_no_reason_to_refuse():
@@ -1475,7 +1494,7 @@ def test_what_the_head_check_refuses_admission_refuses(rows, sent, queued, now, 
             pass
     ends = sorted(f.end for f in core._in_flight.values())
     assert core._in_flight_ends == ends
-    assert core._in_flight_seconds(now) == pytest.approx(
+    assert core._in_flight_wait(now).shared == pytest.approx(
         sum(max(0.0, end - now) for end in ends) / rows, abs=1e-9
     )
     if core.refuses_any_sequence(now + deadline, now):
@@ -2950,6 +2969,31 @@ def test_while_few_answers_are_kept_the_likely_length_is_read_again_at_each():
     for _ in range(5):
         lengths.ended(100, 100)
     assert lengths.likely(100) == 100
+
+
+def test_a_deadline_bounds_a_call_by_its_seconds_each_item_charged_its_own_share():
+    """Calls that cost 50 ms and 5 ms an item, whatever their texts' lengths (a
+    handler's): 32 items of 40 tokens due in 0.5 s take 0.21 s in one call, and go in
+    one. Charged as a budget of tokens at both prices each, the call held one item at a
+    time, and the admitted list, 32 calls long, got 504."""
+
+    def measured_per_item() -> SchedulerCore:
+        core = SchedulerCore(max_batch_size=32)
+        for items, cost in ((1, 10), (1, 100), (8, 80), (8, 800), (32, 320), (32, 3200)):
+            core.cost_model.observe(cost, 0.05 + 0.005 * items, cost, items)
+        model = core.cost_model
+        assert model.per_token == pytest.approx(0, abs=1e-9)
+        assert model.per_item == pytest.approx(0.005) and model.fixed == pytest.approx(0.05)
+        return core
+
+    core = measured_per_item()
+    queue_items(core, [text(40)] * 32, deadline=0.5)
+    assert len(next_batch(core, 0.0)) == 32
+    # where the deadline leaves room for fewer, the call holds what fits in time:
+    # (0.21 / 1.25 - 0.05) / 0.005 = 23.6 items
+    core = measured_per_item()
+    queue_items(core, [text(40)] * 32, deadline=0.21)
+    assert len(next_batch(core, 0.0)) == 23
 
 
 def test_a_trusted_speed_never_raises_the_configured_max_batch_tokens():

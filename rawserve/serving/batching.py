@@ -47,6 +47,22 @@ class BatchLimits:
     max_size: int = 32
     max_tokens: int | None = None  # bound on the padded cost: longest item x items
     group_lengths: bool = True  # cost-aware: the cheapest plan's calls; else queue order
+    # a deadline's bound: the seconds a call may take past its fixed part, at the cost
+    # model's prices of an item and of a padded token (None: no deadline bounds it)
+    max_seconds: float | None = None
+    per_item: float = 0.0
+    per_token: float = 0.0
+
+    def widest(self, longest: int) -> int:
+        """The most items a call whose longest item costs `longest` may hold (one at
+        least: a batch's first item goes whatever its cost)."""
+        most = self.max_size
+        if self.max_tokens and longest > 0:
+            most = min(most, self.max_tokens // longest)
+        price = self.per_item + self.per_token * longest  # each item's share of the call
+        if self.max_seconds is not None and price > 0:
+            most = min(most, int(self.max_seconds / price))
+        return max(1, most)
 
 
 def padded_cost(costs: Iterable[int]) -> int:
@@ -96,7 +112,7 @@ def choose_batch(
         if len(batch) >= limits.max_size:
             break
         new_longest = max(longest, item.cost)
-        if limits.max_tokens and new_longest * (len(batch) + 1) > limits.max_tokens:
+        if len(batch) + 1 > limits.widest(new_longest):
             if not limits.group_lengths:
                 break  # count mode keeps strict queue order
             continue
@@ -147,9 +163,7 @@ def plan_partners(queue: Sequence[ItemT], limits: BatchLimits, model: CostModel)
 
     for stop in range(1, count + 1):
         longest = order[stop - 1].cost
-        widest = limits.max_size  # the most items in a call ending here
-        if limits.max_tokens and longest > 0:
-            widest = max(1, min(widest, limits.max_tokens // longest))
+        widest = limits.widest(longest)  # the most items in a call ending here
         if per_item + per_token * longest != price:  # a longer item: rank them anew
             price = per_item + per_token * longest
             kept = [start for _, start in starts]

@@ -214,6 +214,31 @@ class InFlight:
         return self.sent + self.predicted
 
 
+@dataclass(frozen=True)
+class InFlightWait:
+    """What the batches in flight leave of the workers' time: `then(work)` is the
+    seconds until `work` (seconds shared out among the workers, as the cost model's
+    drains give them) is done behind them. Where each batch runs on a worker of its own,
+    work goes to whichever worker frees first, the idle ones at once (a water level
+    over their free times): shared out as a whole, one worker's 4.5 s batch made a
+    short request with a 2 s deadline a 503 while the other worker sat idle."""
+
+    shared: float  # the batches' seconds left, shared out among the workers
+    free_in: list[float] | None = None  # each worker's seconds till free, rising
+
+    def then(self, work: float) -> float:
+        if not self.free_in:
+            return self.shared + work
+        total = work * len(self.free_in)
+        taken = 0.0
+        for filled, free in enumerate(self.free_in, 1):
+            taken += free
+            level = (total + taken) / filled
+            if filled == len(self.free_in) or level <= self.free_in[filled]:
+                return level
+        return self.shared + work  # (not reached: the last worker ends the loop)
+
+
 @dataclass
 class Decision:
     """What the driver does now: answer these 504, send these batches, look again then."""
@@ -519,8 +544,8 @@ class SchedulerCore:
         most = self._in_flight_predicted / max(workers, 1)
         if now + ADMIT_MARGIN * (most + everything) <= deadline:
             return False
-        in_flight = self._in_flight_seconds(now)
-        if now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
+        in_flight = self._in_flight_wait(now)
+        if now + ADMIT_MARGIN * in_flight.then(everything) <= deadline:
             return False
         alone = self.cost_model.drain_seconds(own, max_size, workers)
         assert alone is not None  # measured, as `everything` was
@@ -529,7 +554,7 @@ class SchedulerCore:
         ahead = [i.cost for i in self._queued_ahead(*_bounds(items))]
         with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)
         assert with_ahead is not None  # measured, as `everything` was
-        return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
+        return now + ADMIT_MARGIN * in_flight.then(with_ahead) > deadline
 
     def _delays_admitted(self, items: Sequence[WorkItem], now: float) -> bool:
         """Whether `items`, in the turns they were given, would make a queued request
@@ -543,7 +568,7 @@ class SchedulerCore:
         max_size, workers = self.max_size, self.workers
         if self._queue_in_time(now, len(items), sum(item.cost for item in items)):
             return False
-        in_flight = self._in_flight_seconds(now)
+        in_flight = self._in_flight_wait(now)
         first = min(item.sort_key() for item in items)
         behind = sorted(
             (
@@ -569,14 +594,14 @@ class SchedulerCore:
             cost += queued.cost
             without = self.cost_model.drain_seconds_of(count, cost, max_size, workers)
             assert without is not None
-            if now + ADMIT_MARGIN * (in_flight + without) > queued.deadline:
+            if now + ADMIT_MARGIN * in_flight.then(without) > queued.deadline:
                 late.add(queued.request)
                 continue
             with_them = self.cost_model.drain_seconds_of(
                 count + before, cost + before_cost, max_size, workers
             )
             assert with_them is not None
-            if now + ADMIT_MARGIN * (in_flight + with_them) > queued.deadline:
+            if now + ADMIT_MARGIN * in_flight.then(with_them) > queued.deadline:
                 made_late.add(queued.request)
         return bool(made_late - late)
 
@@ -592,7 +617,7 @@ class SchedulerCore:
         most = self._in_flight_predicted / max(self.workers, 1)  # (as `_misses_deadline`)
         if now + ADMIT_MARGIN * (most + everything) <= earliest:
             return True  # (what is left in flight is at most its whole predicted time)
-        return now + ADMIT_MARGIN * (self._in_flight_seconds(now) + everything) <= earliest
+        return now + ADMIT_MARGIN * self._in_flight_wait(now).then(everything) <= earliest
 
     def _probes_length(self, items: Sequence[WorkItem]) -> bool:
         """Whether `items`, refused for their own time, are rather taken to learn how long
@@ -791,12 +816,12 @@ class SchedulerCore:
         if not self.cost_model.trusted or not self._size or self._queue_in_time(now):
             return  # (most looks end here)
         max_size, workers = self.max_size, self.workers
-        in_flight = self._in_flight_seconds(now)
+        in_flight = self._in_flight_wait(now)
 
         def late(count: int, cost: int, deadline: float) -> bool:
             drain = self.cost_model.drain_seconds_of(count, cost, max_size, workers)
             assert drain is not None
-            return now + ADMIT_MARGIN * (in_flight + drain) > deadline
+            return now + ADMIT_MARGIN * in_flight.then(drain) > deadline
 
         queued = list(heapq.merge(*self._queues.values(), key=WorkItem.sort_key))
         ends: dict[int, tuple[int, int]] = {}  # the turns up to each request's last item
@@ -831,11 +856,16 @@ class SchedulerCore:
                 first.append(item)
         return first
 
-    def _in_flight_seconds(self, now: float) -> float:
+    def _in_flight_wait(self, now: float) -> InFlightWait:
+        """What the batches in flight leave of each worker's time (`InFlightWait`)."""
         ends = self._in_flight_ends
         first = bisect.bisect_right(ends, now)  # the ones not due yet
-        left = math.fsum(ends[first:]) - now * (len(ends) - first)
-        return max(0.0, left) / max(self.workers, 1)
+        workers = max(self.workers, 1)
+        if len(ends) > workers:  # (a worker's next batch sent ahead, or a worker's rows)
+            left = math.fsum(ends[first:]) - now * (len(ends) - first)
+            return InFlightWait(max(0.0, left) / workers)
+        busy = [end - now for end in ends[first:]]
+        return InFlightWait(math.fsum(busy) / workers, [0.0] * (workers - len(busy)) + busy)
 
     def retry_after(self, now: float | None = None) -> float:
         """Seconds until the current queue has likely drained, at the measured speed; on
@@ -851,7 +881,7 @@ class SchedulerCore:
         if drain is None:
             return 1.0
         if now is not None:
-            drain += self._in_flight_seconds(now)
+            drain = self._in_flight_wait(now).then(drain)
         return max(1.0, drain)
 
     # --- the queue ----------------------------------------------------------------------
@@ -966,7 +996,7 @@ class SchedulerCore:
         if first := self._first_at_risk(queue[0].key, now):  # they go now, whatever the wait
             hurried = set(map(id, first))
             viable = first + [item for item in viable if id(item) not in hurried]
-            limits = self._limits_for(first[0].deadline, first[0].cost, now)
+            limits = self._limits_for(first[0].deadline, now)
 
             def urgent(item: WorkItem) -> bool:
                 return id(item) in hurried or self._is_urgent(item, now)
@@ -986,7 +1016,7 @@ class SchedulerCore:
         if pressing is not viable[0] and self._is_urgent(pressing, now):
             viable.remove(pressing)
             viable.insert(0, pressing)
-        limits = self._limits_for(pressing.deadline, viable[0].cost, now)
+        limits = self._limits_for(pressing.deadline, now)
         batch = choose_batch(
             viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
         )
@@ -1072,31 +1102,28 @@ class SchedulerCore:
         last = max(item.turn - item.turns + 1 for item in batch)  # where its turns start
         return min(last, queue[0].turn) if queue else last
 
-    def _limits_for(self, deadline: float, head_cost: int, now: float) -> BatchLimits:
+    def _limits_for(self, deadline: float, now: float) -> BatchLimits:
         """The bounds of a batch: the configured ones, and (once the cost model is
-        trusted) a token budget small enough to come back before `deadline`, the
+        trusted) the seconds a call may take to come back before `deadline`, the
         earliest deadline among the candidates, so that every member is safe. Trusted,
         not fitted: under steady load every call has the same size, the model never
-        sees two sizes, and without the budget batches went out too late to return in
-        time (late answers and 504s at 3x overload)."""
+        sees two sizes, and without the bound batches went out too late to return in
+        time (late answers and 504s at 3x overload). Each item costs its share of the
+        call, `per_item` and `per_token` for each padded token: charged as a budget of
+        tokens at both prices each, a call of 40-token items whose cost was all per item
+        held 3 where 200 fit, and its requests, admitted at full batches' speed, got 504."""
         limits = self.limits
         model = self.cost_model
-        # an item adds at least one token and one item: its padded cost bounds both
-        per_token = model.per_token + model.per_item
-        if not model.trusted or per_token <= 0:
+        if not model.trusted or model.per_item + model.per_token <= 0:
             return limits
         seconds = (deadline - now) / DEADLINE_MARGIN - model.fixed
-        in_time = max(head_cost, int(seconds / per_token))
-        if limits.max_tokens is None or in_time < limits.max_tokens:
-            return replace(limits, max_tokens=in_time)
-        return limits
+        return replace(
+            limits, max_seconds=seconds, per_item=model.per_item, per_token=model.per_token
+        )
 
     def _is_full(self, batch: list[WorkItem], candidates: int, limits: BatchLimits) -> bool:
         """No more items could join: the size bound or the token budget is reached."""
-        if len(batch) >= limits.max_size:
-            return True
-        longest = max(item.cost for item in batch)
-        if limits.max_tokens and longest * (len(batch) + 1) > limits.max_tokens:
+        if len(batch) + 1 > limits.widest(max(item.cost for item in batch)):
             return True
         return not limits.group_lengths and len(batch) < candidates
 
