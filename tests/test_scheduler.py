@@ -2436,9 +2436,11 @@ async def test_a_scheduling_pass_that_raises_answers_the_queued_at_once_and_goes
 
 
 async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_others_wait():
-    """No worker serves and none should for 10 s: a run due earlier, sent or queued, is
-    answered now (503 with that wait: retrying then, or elsewhere, can succeed), not left
-    to a 504 at its deadline; a run with time enough waits and is served."""
+    """No worker serves and none should for 10 s: a run due earlier is answered now, not
+    left to a 504 at its deadline: queued, 503 with that wait (retrying then, or
+    elsewhere, can succeed); sent to the worker that died with it, 500 (it may be what
+    killed it: a 503 is what a proxy retries on another replica, whose worker it took
+    down too). A run with time enough waits and is served."""
     backend, drops = FakeBackend(), Drops()
     scheduler = Scheduler(SchedulerCore(max_queue=8), backend, metrics=drops)
     scheduler.start()
@@ -2449,11 +2451,14 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
     patient = asyncio.create_task(scheduler.run(["patient"], {}, now + 60))
     await until(lambda: len(scheduler.core) == 3)
     scheduler.answer_unreachable(now + 10)
-    for task in (sent, queued):
-        with pytest.raises(Refused) as refused:
-            await task
-        assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
-        assert 5 < (refused.value.refusal.retry_after or 0) <= 10  # (real time passes)
+    with pytest.raises(Refused) as refused:
+        await queued
+    assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
+    assert 5 < (refused.value.refusal.retry_after or 0) <= 10  # (real time passes)
+    with pytest.raises(Refused) as refused:
+        await sent
+    assert refused.value.refusal.reason is Reason.MODEL_FAILED  # 500
+    assert "stopped while running this request" in refused.value.refusal.message
     # each answered 503, the one its dead worker held as the queued ones
     assert drops.dropped == {"rejected": 3} and len(scheduler.core) == 1
     assert not patient.done()
@@ -2466,6 +2471,12 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
     scheduler.answer_unreachable(math.inf)  # every worker keeps dying: none waits for it
     with pytest.raises(Refused) as refused:
         await longest
+    assert refused.value.refusal.reason is Reason.MODEL_FAILED  # (sent: it died with it)
+    waiting = asyncio.create_task(scheduler.run(["y"], {}, now + 300))
+    await until(lambda: len(scheduler.core) == 1)
+    scheduler.answer_unreachable(math.inf)
+    with pytest.raises(Refused) as refused:
+        await waiting
     assert refused.value.refusal.reason is Reason.LOADING
     assert refused.value.refusal.retry_after == LOADING_RETRY_AFTER  # what the gate says
     await scheduler.stop()

@@ -32,6 +32,7 @@ from rawserve.serving.refusals import (
     Reason,
     Refusal,
     Refused,
+    crashed_not_back,
     deadline_passed,
     model_failed,
     not_back_in_time,
@@ -417,12 +418,16 @@ class Scheduler:
         due = [run_id for run_id, at in self._late.late_at.items() if at < serving_again_at]
         retry_after = _restart_wait(serving_again_at, self.clock())
         for run_id in due:
-            waiting = _waiting_for_a_worker(self._runs.get(run_id, ()))
+            items = self._runs.get(run_id, ())
+            waiting = _waiting_for_a_worker(items)
             if waiting is not None:
                 del self._runs[run_id]
                 self._late.forget(run_id)
                 self._not_back_in_time.add(run_id)
-                waiting.set_exception(not_back_in_time(retry_after))
+                # one sent to a worker (all are down: it died with it) may have killed it
+                crashed = any(item.batch is not None for item in items if _waits(item))
+                refusal = crashed_not_back() if crashed else not_back_in_time(retry_after)
+                waiting.set_exception(refusal)
 
     def _refuse_unreachable(self, deadline: float, items: int, now: float) -> None:
         """While no worker serves, raise for a run due before one should again what the
