@@ -749,6 +749,8 @@ def test_an_offline_cache_serves_a_commit_by_its_short_form(tmp_path):
         ("org/tiny@v9", ["org/tiny@v9", "not in the Hub cache"]),
         ("org/tiny@" + "0" * 40, ["not in the Hub cache"]),
         ("not a/repo id", ["neither an existing folder nor a Hub repo id"]),
+        # vLLM's served names have a '/': read as a path's, it is said what an alias takes
+        ("org/x=/no/such/folder", ["an alias before '=' ('org/x' here) takes letters, digits"]),
         ("org/tiny@v1:Bad Task", ["'Bad Task' (after ':') is not a task name"]),
     ],
 )

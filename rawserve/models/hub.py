@@ -145,8 +145,14 @@ def resolve_hub(spec: ModelSpec, hub: HubContact) -> ResolvedModel:
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
+        head, equals, _ = repo_id.partition("=")
+        alias = (  # (a head with '/' is read as a path's: vLLM's served names have them)
+            f"; an alias before '=' ({head!r} here) takes letters, digits, '.', '_' and '-'"
+            if equals and "/" in head
+            else ""
+        )
         raise ModelNotFound(
-            f"{repo_id!r} is neither an existing folder nor a Hub repo id (org/name)"
+            f"{repo_id!r} is neither an existing folder nor a Hub repo id (org/name){alias}"
         ) from None
     at = f"{repo_id}@{revision}" if revision else repo_id
     from huggingface_hub import constants, snapshot_download  # (see the module's docstring)
