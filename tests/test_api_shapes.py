@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -2803,3 +2804,18 @@ def test_openai_embeddings_dimensions_past_the_models_are_422_naming_the_field()
     assert error["message"] == '"dimensions" must be at most 32 for this model'
     answer, sent = embeddings_of({"input": "a", "dimensions": 32}, {"dimensions": 32})
     assert answer.status == 200, answer.body
+
+
+@pytest.mark.parametrize(
+    ("inputs", "says"),
+    [
+        ([5], '"inputs" as token ids is not supported: send the text'),
+        ([[5, 6], [7]], '"inputs" as token ids is not supported: send the text'),
+        ([["what is it", "a city"]], '"inputs" must be a text or a non-empty list of texts'),
+        (["a", ["b"]], '"inputs" must be a text or a non-empty list of texts'),
+    ],
+)
+def test_texts_refused_say_what_was_sent(inputs, says):
+    """A text pair, sent where texts go (/tokenize), was told it had sent token ids."""
+    with pytest.raises(BadRequest, match=re.escape(says)):
+        text_inputs(inputs, 32)

@@ -59,7 +59,7 @@ def text_inputs(value: Any, max_inputs: int) -> list[str]:
     if not isinstance(texts, list):
         raise BadRequest('"inputs" must be a text or a non-empty list of texts')
     if not all(isinstance(text, str) for text in texts):
-        if all(isinstance(item, (int, list)) for item in texts):
+        if is_token_ids(texts) or all(is_token_ids(item) for item in texts):
             raise BadRequest('"inputs" as token ids is not supported: send the text')
         raise BadRequest('"inputs" must be a text or a non-empty list of texts')
     check_client_batch(len(texts), max_inputs)
