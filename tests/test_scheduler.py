@@ -2438,7 +2438,7 @@ async def test_a_scheduling_pass_that_raises_answers_the_queued_at_once_and_goes
 async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_others_wait():
     """No worker serves and none should for 10 s: a run due earlier is answered now, not
     left to a 504 at its deadline: queued, 503 with that wait (retrying then, or
-    elsewhere, can succeed); sent to the worker that died with it, 500 (it may be what
+    elsewhere, can succeed); sent alone to the worker that died with it, 500 (it likely
     killed it: a 503 is what a proxy retries on another replica, whose worker it took
     down too). A run with time enough waits and is served."""
     backend, drops = FakeBackend(), Drops()
@@ -2479,6 +2479,23 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
         await waiting
     assert refused.value.refusal.reason is Reason.LOADING
     assert refused.value.refusal.retry_after == LOADING_RETRY_AFTER  # what the gate says
+    await scheduler.stop()
+
+
+async def test_batch_mates_of_a_worker_that_died_are_answered_503_for_a_retry_elsewhere():
+    """A batch of several dies with its worker: which of them killed it is not known, and
+    one bad input never fails its batch-mates: each is answered 503, which a proxy retries
+    on another replica, as before. Only one sent alone is answered 500."""
+    backend = FakeBackend()
+    scheduler = Scheduler(SchedulerCore(max_queue=8), backend)
+    scheduler.start()
+    now = scheduler.clock()
+    mates = asyncio.create_task(scheduler.run(["m1", "m2"], {}, now + 5))
+    await until(lambda: len(backend.calls) == 1)  # (one batch of both; its worker died)
+    scheduler.answer_unreachable(now + 10)
+    with pytest.raises(Refused) as refused:
+        await mates
+    assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
     await scheduler.stop()
 
 

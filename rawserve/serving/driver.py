@@ -424,10 +424,19 @@ class Scheduler:
                 del self._runs[run_id]
                 self._late.forget(run_id)
                 self._not_back_in_time.add(run_id)
-                # one sent to a worker (all are down: it died with it) may have killed it
-                crashed = any(item.batch is not None for item in items if _waits(item))
-                refusal = crashed_not_back() if crashed else not_back_in_time(retry_after)
+                refusal = (
+                    crashed_not_back()
+                    if any(self._sent_alone(item) for item in items if _waits(item))
+                    else not_back_in_time(retry_after)
+                )
                 waiting.set_exception(refusal)
+
+    def _sent_alone(self, item: WorkItem) -> bool:
+        """Whether `item` was sent alone in its batch to a worker (every worker is down
+        when this is asked: it died with it): what killed the worker, likely. One of
+        several may be a batch-mate of what did: a 503, which a proxy retries elsewhere,
+        and one bad input never fails its batch-mates."""
+        return item.batch is not None and len(self._sent.get(item.batch, ())) == 1
 
     def _refuse_unreachable(self, deadline: float, items: int, now: float) -> None:
         """While no worker serves, raise for a run due before one should again what the

@@ -75,10 +75,10 @@ def not_back_in_time(retry_after: float | None) -> Refused:
 
 
 def crashed_not_back() -> Refused:
-    """A request sent to a worker that died with it, and that no worker would run again
-    before its deadline: failed (500), not refused (503). It may be what took the worker
-    down, and a 503 is the answer a proxy retries on another replica (deploy/nginx.conf),
-    where it would take that worker down too."""
+    """A request sent alone to a worker that died with it, and that no worker would run
+    again before its deadline: failed (500), not refused (503). It is likely what took the
+    worker down, and a 503 is the answer a proxy retries on another replica
+    (deploy/nginx.conf), where it would take that worker down too."""
     return Refused.because(
         Reason.MODEL_FAILED,
         "the model worker stopped while running this request, and would not be back "
