@@ -3022,6 +3022,8 @@ def test_a_deadline_bounds_a_call_by_its_seconds_each_item_charged_its_own_share
     core = measured_per_item()
     queue_items(core, [text(40)] * 32, deadline=0.21)
     assert len(next_batch(core, 0.0)) == 23
+    # a price too small to divide by (an infinite count) leaves the other bounds
+    assert BatchLimits(8, max_seconds=30.0, per_item=1e-320).widest(4) == 8
 
 
 def test_a_trusted_speed_never_raises_the_configured_max_batch_tokens():

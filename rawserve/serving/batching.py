@@ -60,8 +60,8 @@ class BatchLimits:
         if self.max_tokens and longest > 0:
             most = min(most, self.max_tokens // longest)
         price = self.per_item + self.per_token * longest  # each item's share of the call
-        if self.max_seconds is not None and price > 0:
-            most = min(most, int(self.max_seconds / price))
+        if self.max_seconds is not None and price > 0 and self.max_seconds / price < most:
+            most = int(self.max_seconds / price)  # (compared first: a tiny price's is inf)
         return max(1, most)
 
 
