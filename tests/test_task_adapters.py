@@ -2279,6 +2279,13 @@ def test_a_whole_pytorch_checkpoint_loads(tiny_model, tmp_path):
     as_bin(folder)
     loaded = load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
     assert loaded.run(["a good movie"], {})[0]["label"] in ("NEGATIVE", "POSITIVE")
+    # a cut .bin left beside whole safetensors weights is not read (transformers loads
+    # those first): the folder serves
+    beside = tmp_path / "beside"
+    shutil.copytree(tiny_model("text-classification"), beside)
+    (beside / "pytorch_model.bin").write_bytes((folder / "pytorch_model.bin").read_bytes()[:-300])
+    loaded = load_runner(worker_config(str(beside), engine=Engine.TORCH), "cpu")
+    assert loaded.run(["a good movie"], {})[0]["label"] in ("NEGATIVE", "POSITIVE")
 
 
 def test_a_known_model_type_whose_architecture_is_its_own_code_needs_its_task_named(

@@ -358,7 +358,9 @@ def refuse_unloadable_files(folder: Path) -> None:
             raise ValueError(
                 f"{path.name} is not a whole safetensors file ({exc}): download or save it again"
             ) from None
-    for path in sorted(folder.glob("pytorch_model*.bin")):
+    # (beside safetensors weights, which transformers loads first, a .bin is not read)
+    bins = [] if any(folder.glob("*.safetensors")) else sorted(folder.glob("pytorch_model*.bin"))
+    for path in bins:
         if not whole_archive(path):
             raise ValueError(
                 f"{path.name} is not a whole PyTorch checkpoint (its zip archive is cut short "
