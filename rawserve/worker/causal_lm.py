@@ -542,7 +542,8 @@ class CausalLMRunner(Runner):
             raise ValueError(
                 f"the prompt is {longest_prompt} tokens, and this model's generation config "
                 f"ends an answer at max_length {self.total_length} tokens, the prompt "
-                "included: ask for max_new_tokens (OpenAI's max_tokens) to generate past it"
+                "included: ask for a length (max_new_tokens; OpenAI's max_tokens, or "
+                "max_output_tokens) to generate past it"
             )
         least = int(params.get("min_new_tokens") or 0)  # as asked (not the model's own)
         room = self.max_positions - longest_prompt
