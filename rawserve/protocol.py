@@ -583,6 +583,9 @@ class HttpProtocol(asyncio.Protocol):
         if chunks.too_many_chunks:
             self._fail(refusals.too_many_chunks(self.settings.max_body_bytes, chunks.chunks))
             return False
+        if chunks.too_many_trailers:
+            self._fail(refusals.too_many_trailer_fields())
+            return False
         if chunks.over:
             self._fail(refusals.body_too_large(self.settings.max_body_bytes))
             return False

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import enum
 
+from rawserve.http.head_lines import MAX_HEADER_LINES
+
 _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
 MAX_SIZE_DIGITS = 20  # h11 refuses longer chunk sizes as malformed
 # What a chunk counts at least toward the body limit, after the first few (counted as
@@ -47,6 +49,7 @@ class ChunkedMeter:
         # (the body then sat until --body-timeout's 408); refused at once instead (h11
         # takes a bare LF in the trailers)
         self.malformed = False
+        self.trailer_fields = 0  # h11 parses each as a header line: they are bounded alike
 
     @property
     def counted(self) -> int:
@@ -64,13 +67,19 @@ class ChunkedMeter:
         return self.over and self.sent + len(self._line) <= self.limit
 
     @property
+    def too_many_trailers(self) -> bool:
+        return self.trailer_fields > MAX_HEADER_LINES
+
+    @property
     def done(self) -> bool:
         return self._state is _State.DONE
 
     def feed(self, data: bytes) -> None:
         """Measure the next bytes of the body (bytes past its end are ignored)."""
         at = 0
-        while at < len(data) and not self.over and self._state is not _State.DONE:
+        while at < len(data) and not self.over and not self.too_many_trailers:
+            if self._state is _State.DONE:
+                break
             if self._state is _State.DATA:
                 taken = min(self._skip, len(data) - at)
                 self._skip -= taken
@@ -93,6 +102,8 @@ class ChunkedMeter:
             self.sent += len(line)
             if line.strip() == b"":
                 self._state = _State.DONE
+            else:
+                self.trailer_fields += 1
             return
         if not line.endswith(b"\r\n"):
             self.malformed = True

@@ -120,6 +120,10 @@ def too_many_header_lines() -> HeadersTooLarge:
     return HeadersTooLarge(f"the request has more than {MAX_HEADER_LINES} header fields")
 
 
+def too_many_trailer_fields() -> HeadersTooLarge:
+    return HeadersTooLarge(f"the chunked body has more than {MAX_HEADER_LINES} trailer fields")
+
+
 def request_line_too_long() -> URITooLong:
     return URITooLong("the request line is too long")
 
