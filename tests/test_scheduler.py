@@ -2497,6 +2497,19 @@ async def test_batch_mates_of_a_worker_that_died_are_answered_503_for_a_retry_el
         await mates
     assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
     await scheduler.stop()
+    # a continuous worker's sequences, each a batch of one, side by side on its rows
+    rows = FakeBackend(workers=4)
+    scheduler = Scheduler(SchedulerCore(max_queue=8, max_batch_size=1, workers=4), rows)
+    scheduler.start()
+    now = scheduler.clock()
+    running = [asyncio.create_task(scheduler.run([f"s{i}"], {}, now + 5)) for i in range(2)]
+    await until(lambda: len(rows.calls) == 2)
+    scheduler.answer_unreachable(now + 10)
+    for task in running:
+        with pytest.raises(Refused) as refused:
+            await task
+        assert refused.value.refusal.reason is Reason.LOADING
+    await scheduler.stop()
 
 
 async def test_a_run_admitted_once_no_worker_serves_is_answered_as_the_waiting_ones_were():

@@ -435,8 +435,12 @@ class Scheduler:
         """Whether `item` was sent alone in its batch to a worker (every worker is down
         when this is asked: it died with it): what killed the worker, likely. One of
         several may be a batch-mate of what did: a 503, which a proxy retries elsewhere,
-        and one bad input never fails its batch-mates."""
-        return item.batch is not None and len(self._sent.get(item.batch, ())) == 1
+        and one bad input never fails its batch-mates. A continuous worker's sequences
+        are batches of one that run side by side on its rows: alone only where no other
+        was sent."""
+        if item.batch is None or len(self._sent.get(item.batch, ())) != 1:
+            return False
+        return self.core.max_size > 1 or len(self._sent) == 1
 
     def _refuse_unreachable(self, deadline: float, items: int, now: float) -> None:
         """While no worker serves, raise for a run due before one should again what the
