@@ -74,12 +74,15 @@ class ChunkedMeter:
     def done(self) -> bool:
         return self._state is _State.DONE
 
+    @property
+    def _reading(self) -> bool:
+        """Whether more bytes are measured: not over a bound, and the body not ended."""
+        return not (self.over or self.too_many_trailers or self.done)
+
     def feed(self, data: bytes) -> None:
         """Measure the next bytes of the body (bytes past its end are ignored)."""
         at = 0
-        while at < len(data) and not self.over and not self.too_many_trailers:
-            if self._state is _State.DONE:
-                break
+        while at < len(data) and self._reading:
             if self._state is _State.DATA:
                 taken = min(self._skip, len(data) - at)
                 self._skip -= taken

@@ -230,13 +230,13 @@ class InFlightWait:
         if not self.free_in:
             return self.shared + work
         total = work * len(self.free_in)
-        taken = 0.0
+        taken = level = 0.0
         for filled, free in enumerate(self.free_in, 1):
             taken += free
             level = (total + taken) / filled
-            if filled == len(self.free_in) or level <= self.free_in[filled]:
-                return level
-        return self.shared + work  # (not reached: the last worker ends the loop)
+            if filled < len(self.free_in) and level <= self.free_in[filled]:
+                break  # (the workers free later than this take none of it)
+        return level
 
 
 @dataclass

@@ -273,10 +273,10 @@ class CausalLMRunner(Runner):
         # a length the generation config sets as `max_length` counts the prompt too, as
         # `generate` reads it; the pipeline's max_new_tokens would override it, so it adds none
         self.total_length: int | None = None
+        self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
         if "max_length" in configured and "max_new_tokens" not in configured:
             self.total_length = int(configured["max_length"])
-            configured["max_new_tokens"] = None
-        self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
+            del self.defaults["max_new_tokens"]
         # whether it samples, said outright: the pipeline's temperature is for sampling only
         self.defaults["do_sample"] = bool({**PIPELINE_DEFAULTS, **configured}["do_sample"])
         self.special_ids = set(self.tokenizer.all_special_ids)
