@@ -46,6 +46,7 @@ from rawserve.serving.status import WorkerState
 from rawserve.serving.supervision import (
     CRASHED_ALONE,
     CRASHED_MID_STREAM,
+    REFUSED_POISON,
     STOPPED_MID_STREAM,
     TIMED_OUT,
 )
@@ -638,6 +639,34 @@ def test_an_input_quarantined_as_the_restart_outlasts_its_deadline_gets_its_verd
     assert poison.outcome == mate.outcome == "results"
     assert poison.ends[0][1][0].output == CRASHED_ALONE
     assert mate.ends[0][1][0].output == ("out", "mate")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_lone_input_not_run_again_after_its_crash_still_counts_toward_quarantine(loaded, workers):
+    """A request sent alone whose worker died with it, not run again before its deadline,
+    is answered there: 500 as no worker would be back in time (one worker), or 504 as it
+    waits for its own worker's restart (two: on the other, it would take that one down
+    too). That crash counts toward its input's quarantine as a crash of its run again
+    would. Counted only there, a poison input sent with deadlines shorter than a restart
+    took a worker down at every request and was never refused."""
+    serving = loaded(workers=workers, max_batch_size=4)
+    serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    for worker in serving.pool.workers[1:]:
+        serving.load(worker)
+    answered = Reason.MODEL_FAILED if workers == 1 else Reason.DEADLINE_PASSED
+    for _ in range(2):
+        poison = serving.arrive(["poison"], {}, timeout=0.3)
+        ((crashed, _, _),) = serving.answerable()
+        serving.crash(crashed)
+        serving.advance(1.5)  # past its deadline, and the restart's backoff
+        assert poison.outcome is answered
+        serving.load(crashed)
+    refused = serving.arrive(["poison"], {}, timeout=0.3)
+    assert refused.outcome == "results" and refused.ends[0][1][0].output == REFUSED_POISON
+    other = serving.arrive(["other"], {}, timeout=0.3)
+    assert sent(serving) == [("poison",), ("poison",), ("other",)]  # refused, not run
+    serving.answer(*serving.answerable()[0])
+    assert other.outcome == "results"
 
 
 def test_an_item_run_again_after_a_crash_is_not_stopped_as_its_batch_mate_ends(loaded):

@@ -58,6 +58,9 @@ class Job:
     # a continuous worker's sequence run again beside the others it was lost with (its
     # worker died once): a second such death runs each alone
     together: bool = False
+    # run again after it crashed its worker running alone: that crash counts toward its
+    # input's quarantine only if it is not run again (a run again's crash counts then)
+    crashed_alone: bool = False
     # told of each part answered before the whole batch is (`Assembly`)
     on_part: PartAnswered | None = None
     answered: bool = False

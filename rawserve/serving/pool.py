@@ -341,6 +341,8 @@ class WorkerPool(PoolReports):
         for retry in dropped:
             self._retries.remove(retry)
             not_run(retry)
+            if retry.crashed_alone:
+                self._strike_unrun(retry)
         for worker in self.workers:
             for running in worker.running.forget(future, items):
                 self._cancel(worker, running)
@@ -354,6 +356,18 @@ class WorkerPool(PoolReports):
                     self._pump()
         if dropped:
             self._pump()  # the queue no longer waits behind them
+
+    def _strike_unrun(self, retry: Job) -> None:
+        """An input that crashed its worker running alone is not run again (nobody waits
+        for it: its deadline passed as it waited for its worker's restart, or was due
+        before it): that crash counts toward its quarantine, as its run again's would
+        have. Counted only there, a poison input sent with deadlines shorter than a
+        restart took a worker down at every request and was never refused."""
+        assert retry.poison_key is not None and retry.home is not None
+        if self.poison.crashed(retry.poison_key):
+            self._say_quarantined(self.workers[retry.home], retry, "crashed")
+            if self.metrics is not None:
+                self.metrics.drop("poison")
 
     def _cancel(self, worker: WorkerHandle, job: Job) -> None:
         if job.cancelled or worker.conn is None:
@@ -607,20 +621,20 @@ class WorkerPool(PoolReports):
                 return worker, retry
         return None
 
-    def _retry_alone(self, job: Job, home: int | None) -> None:
+    def _retry_alone(self, job: Job, home: int | None, *, crashed_alone: bool = False) -> None:
         """After a crash, run each item of the lost batch alone, ahead of the queue, on the
         worker that crashed once it is back (`home`; those nobody waits for any more are
         not run): on another, the input that crashed it would take that one down too,
         and every worker was restarting at once (a handler's poison input, two workers:
         41 of 60 requests in the 11 s after it answered 503). After a hang, on any
-        (`home` None)."""
+        (`home` None). `crashed_alone`: the batch was one item, all its worker ran."""
         for index, value in enumerate(job.inputs):
             if index in job.gone:
                 job.answer_unrun([index], NOT_RUN)
             else:
                 key = PoisonMemory.key(value, job.params)
                 retry = job.part([index], next(self._batch_ids), key, rerun=True)
-                self._retries.append(replace(retry, home=home))
+                self._retries.append(replace(retry, home=home, crashed_alone=crashed_alone))
 
     def _run_again_whole(self, job: Job) -> None:
         """A batch a dead worker held behind the one it ran never started: it runs again
@@ -978,8 +992,10 @@ class WorkerPool(PoolReports):
         )
         if was_healthy and not self.supervisor.healthy and not self._first_load_pending:
             self._say_unhealthy(worker)
+        # what it ran was one item alone: a crash that tells of that input
+        alone = strikes and len(sequences) + (len(job.inputs) if job else 0) == 1
         if job is not None and decision.lost is not None:
-            self._carry_out(worker, job, decision.lost)
+            self._carry_out(worker, job, decision.lost, alone)
         for lost in sequences:
             self._detach(lost)
         together = self._together(sequences)
@@ -993,7 +1009,8 @@ class WorkerPool(PoolReports):
                 self._after_hang(worker, lost, len(sequences))
             else:
                 key = lost.poison_key if strikes else None
-                self._carry_out(worker, lost, self.supervisor.lost(Held(lost.streamed, key)))
+                decided = self.supervisor.lost(Held(lost.streamed, key))
+                self._carry_out(worker, lost, decided, alone)
         if together:
             log.warning(
                 "worker %s: its %d sequences run again side by side once it is back (alone, "
@@ -1047,9 +1064,11 @@ class WorkerPool(PoolReports):
         ]
         return again if len(again) >= 2 else []
 
-    def _carry_out(self, worker: WorkerHandle, job: Job, lost: LostBatch) -> None:
-        """Do what supervision decided for the batch a dead worker held; nothing for one
-        nobody waits for any more (it is not run again)."""
+    def _carry_out(
+        self, worker: WorkerHandle, job: Job, lost: LostBatch, alone: bool = False
+    ) -> None:
+        """Do what supervision decided for the batch a dead worker held, `alone` (all it
+        ran); nothing for one nobody waits for any more (it is not run again)."""
         if job.abandoned or job.cancelled:
             not_run(job)
             return
@@ -1058,7 +1077,7 @@ class WorkerPool(PoolReports):
             outputs = (lost_by,) * len(job.inputs)
             job.answer(BatchResult(job.batch_id, outputs, 0.0))
         elif lost is LostBatch.RETRY_ALONE:
-            self._retry_alone(job, home_of(worker))
+            self._retry_alone(job, home_of(worker), crashed_alone=alone)
         elif lost is LostBatch.RUN_AGAIN_ALONE:
             log.warning(
                 "worker %s: an input running alone crashed the worker%s; running it alone "
@@ -1068,7 +1087,8 @@ class WorkerPool(PoolReports):
                 self.poison.strikes,
                 extra=request_named(job),
             )
-            self._retries.append(replace(job, watchdog=None, home=home_of(worker)))
+            again = replace(job, watchdog=None, home=home_of(worker), crashed_alone=False)
+            self._retries.append(again)  # (this crash counted, whether it runs or not)
         else:
             self._say_quarantined(worker, job, "crashed")
             if self.metrics is not None:
