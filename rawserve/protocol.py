@@ -950,6 +950,12 @@ class HttpProtocol(asyncio.Protocol):
         return waiting + unsent_in_kernel(self.socket_transport or self.transport)
 
     @property
+    def reading_body(self) -> bool:
+        """Its request's head is read and its body is still coming: it is answered once
+        the body is in."""
+        return self.phase is Phase.BODY
+
+    @property
     def sending(self) -> bool:
         """Some of an answer is not yet taken by its client, in the transport or in the
         kernel (past the cap, it keeps its seat: closed, the kernel would keep its socket

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -182,6 +183,7 @@ def servers(request):
             "stalled_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "2"]),
             "idle_draining_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
             "short_grace_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "1"]),
+            "mid_body_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
         },
     ) as get:
         yield get
@@ -194,6 +196,7 @@ signalled_twice_server = module_server("signalled_twice_server")
 stalled_server = module_server("stalled_server")
 idle_draining_server = module_server("idle_draining_server")
 short_grace_server = module_server("short_grace_server")
+mid_body_server = module_server("mid_body_server")
 
 
 def test_both_http_processes_answer_and_info_lists_every_process(server):
@@ -447,6 +450,42 @@ def test_a_drain_answers_a_request_on_an_idle_connection_to_any_http_process(
         assert worker.wait(10) == 0
         assert server.process.wait(15) == 0
     finally:
+        server.stop()
+
+
+def read_to_the_end(sock: socket.socket) -> bytes:
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return answer
+
+
+def test_a_drain_answers_the_requests_whose_bodies_are_still_coming(mid_body_server):
+    """A request whose head was read as the drain began, its body still on its way, is
+    answered once the body is in (503, `Connection: close`), in whichever HTTP process:
+    the drain waited only for requests the app worked on, so with nothing else running
+    every process closed them unanswered (and one process alike)."""
+    server = mid_body_server  # --grace 10, nothing running
+    body = json.dumps({"inputs": "a body sent in two parts"}).encode()
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    clients = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(6)]
+    try:
+        for client in clients:
+            client.sendall(head + body[:5])
+        time.sleep(0.5)  # every head read
+        server.signal(signal.SIGTERM)
+        server.wait_for_log(re.compile("SIGTERM received"), 10)
+        time.sleep(1.0)  # (as long as a drain with nothing to wait for took to close them)
+        for client in clients:
+            client.sendall(body[5:])
+            answer = read_to_the_end(client)
+            assert answer.startswith(b"HTTP/1.1 503"), answer[:80]
+            assert b"\r\nconnection: close\r\n" in answer.lower()
+        assert server.process.wait(15) == 0
+    finally:
+        for client in clients:
+            client.close()
         server.stop()
 
 

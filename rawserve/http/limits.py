@@ -101,6 +101,11 @@ class OpenConnection(Protocol):
     cycle: Cycle | None  # the exchange under way
 
     @property
+    def reading_body(self) -> bool:
+        """Its request's head is read and its body is still coming."""
+        ...
+
+    @property
     def sending(self) -> bool:
         """Some of its last answer is not yet taken by its client, in the transport (a
         close would wait for it) or in the kernel (which would keep the socket for it)."""
@@ -272,6 +277,11 @@ class ServerState:
             for cycle in (connection.cycle for connection in self.connections)
             if cycle is not None and cycle.task is not None and not cycle.task.done()
         }
+
+    def reading_bodies(self) -> bool:
+        """Whether a connection reads the body of a request whose head it has read: that
+        request is answered once its body is in (503 while draining)."""
+        return any(connection.reading_body for connection in self.connections)
 
     def close_all(self) -> None:
         for connection in [*self.connections, *self.probe_connections]:

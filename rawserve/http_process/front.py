@@ -12,6 +12,7 @@ from rawserve.config import ServerConfig
 from rawserve.http.limits import ServerState
 
 BACKLOG = 1024
+BODY_LOOK_SECONDS = 0.05  # while draining: how often a body still coming is looked at
 
 
 async def listen(
@@ -55,11 +56,21 @@ def dual_stack(host: str) -> bool:
 
 
 async def requests_answered(state: ServerState, timeout: float) -> bool:
-    """Wait until no connection has a request in progress (or `timeout` passes)."""
+    """Wait until no connection has a request in progress (or `timeout` passes): one the
+    app works on, or one whose body is still coming, which gets its answer (503 while
+    draining) once the body is in. Waited for by its tasks alone, a drain with nothing
+    running closed such a request unanswered, as its head had been read."""
     loop = asyncio.get_running_loop()
     until = loop.time() + timeout
-    while busy := state.busy_tasks():
+    while True:
+        busy, reading = state.busy_tasks(), state.reading_bodies()
+        if not (busy or reading):
+            return True
         if (left := until - loop.time()) <= 0:
             return False
-        await asyncio.wait(busy, timeout=left)
-    return True
+        # no event tells of a body's end: it is looked at again shortly
+        wait = min(left, BODY_LOOK_SECONDS) if reading else left
+        if busy:
+            await asyncio.wait(busy, timeout=wait)
+        else:
+            await asyncio.sleep(wait)
