@@ -2036,6 +2036,7 @@ class FakeBackend:
         self.on_parts: list = []  # each call's teller of parts answered apart
         self.free_looks = 0
         self.back_at: float | None = None  # while no worker serves: when one should again
+        self.died_beside = 0  # the items its worker ran beside a call's as it died
 
     def batch_cap(self) -> int | None:
         return None
@@ -2066,6 +2067,11 @@ class FakeBackend:
 
     def serving_again_at(self) -> float | None:
         return self.back_at
+
+    def died_with(self, future) -> int:
+        """As if the worker died running the call behind `future` (and `died_beside`)."""
+        (inputs,) = [inputs for inputs, _, call in self.calls if call is future]
+        return len(inputs) + self.died_beside
 
     def finish(self, index: int, outputs=None) -> None:
         inputs, _, future = self.calls[index]
@@ -2483,19 +2489,29 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
 
 
 async def test_batch_mates_of_a_worker_that_died_are_answered_503_for_a_retry_elsewhere():
-    """A batch of several dies with its worker: which of them killed it is not known, and
-    one bad input never fails its batch-mates: each is answered 503, which a proxy retries
-    on another replica, as before. Only one sent alone is answered 500."""
+    """A batch of several requests dies with its worker: which of them killed it is not
+    known, and one bad input never fails its batch-mates: each is answered 503, which a
+    proxy retries on another replica, as before. Only a request sent alone, one input or
+    a list, is answered 500 (a list alone was 503, retried elsewhere as a batch-mate)."""
     backend = FakeBackend()
     scheduler = Scheduler(SchedulerCore(max_queue=8), backend)
     scheduler.start()
     now = scheduler.clock()
-    mates = asyncio.create_task(scheduler.run(["m1", "m2"], {}, now + 5))
+    mates = [asyncio.create_task(scheduler.run([name], {}, now + 5)) for name in ("m1", "m2")]
     await until(lambda: len(backend.calls) == 1)  # (one batch of both; its worker died)
+    assert backend.calls[0][0] == ["m1", "m2"]
+    scheduler.answer_unreachable(now + 10)
+    for task in mates:
+        with pytest.raises(Refused) as refused:
+            await task
+        assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
+    backend.finish(0)  # (its worker is back)
+    listed = asyncio.create_task(scheduler.run(["l1", "l2"], {}, now + 5))
+    await until(lambda: len(backend.calls) == 2)  # (a list alone; its worker died)
     scheduler.answer_unreachable(now + 10)
     with pytest.raises(Refused) as refused:
-        await mates
-    assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
+        await listed
+    assert refused.value.refusal.reason is Reason.MODEL_FAILED  # 500
     await scheduler.stop()
     # a continuous worker's sequences, each a batch of one, side by side on its rows
     rows = FakeBackend(workers=4)
@@ -2504,6 +2520,7 @@ async def test_batch_mates_of_a_worker_that_died_are_answered_503_for_a_retry_el
     now = scheduler.clock()
     running = [asyncio.create_task(scheduler.run([f"s{i}"], {}, now + 5)) for i in range(2)]
     await until(lambda: len(rows.calls) == 2)
+    rows.died_beside = 1  # (its worker ran both as it died)
     scheduler.answer_unreachable(now + 10)
     for task in running:
         with pytest.raises(Refused) as refused:

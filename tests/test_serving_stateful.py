@@ -883,6 +883,31 @@ def test_a_continuous_worker_that_died_frees_no_rows_for_a_burst(loaded):
     serving.check()
 
 
+def test_a_sequence_that_died_beside_a_stream_is_503_once_its_restart_would_be_too_late(loaded):
+    """A continuous worker dies running a stream (its error answered at once) and a plain
+    sequence; its restarts die as they load, until none would be back before the plain
+    one's deadline: it is answered 503 (a batch-mate of what died, retried elsewhere),
+    not 500 as if it had run alone: by then the stream's batch was answered, and the
+    plain one looked alone (a tester: 500 after 22.8 s)."""
+    serving = loaded(kind="continuous", max_batch_size=1)
+    serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    worker = serving.pool.workers[0]
+    streamed = serving.arrive(["s"], {"max_new_tokens": 8}, timeout=300.0, stream=True)
+    plain = serving.arrive(["p"], {}, timeout=20.0)
+    [batch] = [batch for _, _, batch in serving.answerable() if batch.control.stream_id]
+    serving.stream_a_token(worker, batch)
+    serving.crash(worker)
+    assert streamed.outcome == "results" and plain.outcome is None  # it waits
+    for _ in range(1000):  # each restart dies as it loads, its backoff longer each time
+        if plain.outcome is not None:
+            break
+        serving.advance(0.1)
+        if worker in serving.loading():
+            serving.crash(worker)
+    assert plain.outcome is Reason.LOADING  # 503
+    assert serving.loop.now < plain.deadline
+
+
 @pytest.mark.parametrize("death", ["crashed", "hung", "stopped"])
 def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_others(loaded, death):
     """Of the sequences a worker dies with, a stream whose tokens reached its client fails

@@ -109,6 +109,11 @@ class Backend(Protocol):
         None while one serves, or where that is not known."""
         ...
 
+    def died_with(self, future: asyncio.Future[BatchResult]) -> int:
+        """How many items the worker that died running that batch ran as it died (0: none
+        died with it, or it was stopped from outside, no input's doing)."""
+        ...
+
 
 # How a run begun without a task ends: its results in order, or the error that ended it.
 RunEnd = Callable[[list[ItemResult] | None, BaseException | None], None]
@@ -432,15 +437,20 @@ class Scheduler:
                 waiting.set_exception(refusal)
 
     def _sent_alone(self, item: WorkItem) -> bool:
-        """Whether `item` was sent alone in its batch to a worker (every worker is down
-        when this is asked: it died with it): what killed the worker, likely. One of
-        several may be a batch-mate of what did: a 503, which a proxy retries elsewhere,
-        and one bad input never fails its batch-mates. A continuous worker's sequences
-        are batches of one that run side by side on its rows: alone only where no other
-        was sent."""
-        if item.batch is None or len(self._sent.get(item.batch, ())) != 1:
+        """Whether `item`'s request was all its worker ran as it died (every worker is
+        down when this is asked): what killed the worker, likely. One beside another
+        request's items (a batch-mate, or a continuous worker's sequence beside others on
+        its rows) may be a batch-mate of what did: a 503, which a proxy retries
+        elsewhere, and one bad input never fails its batch-mates. The pool says what the
+        worker ran as it died: by now the others' batches may be answered (a stream's
+        error), and that one looked alone. Of a batch run again an item at a time,
+        those still waiting count: the others' runs again have answered them."""
+        sent = self._sent.get(item.batch, ()) if item.batch is not None else ()
+        waiting = [member for member in sent if _waits(member)]
+        if not waiting or any(member.request != item.request for member in waiting):
             return False
-        return self.core.max_size > 1 or len(self._sent) == 1
+        assert item.batch is not None
+        return self.backend.died_with(item.batch) == len(waiting)
 
     def _refuse_unreachable(self, deadline: float, items: int, now: float) -> None:
         """While no worker serves, raise for a run due before one should again what the

@@ -58,9 +58,11 @@ class Job:
     # a continuous worker's sequence run again beside the others it was lost with (its
     # worker died once): a second such death runs each alone
     together: bool = False
-    # run again after it crashed its worker running alone: that crash counts toward its
-    # input's quarantine only if it is not run again (a run again's crash counts then)
-    crashed_alone: bool = False
+    # run again after its worker died: the items that worker ran as it died (0: none
+    # died running it, or it was stopped from outside, no input's doing); and whether
+    # that death counted toward its input's quarantine already
+    died_with: int = 0
+    strike_counted: bool = False
     # told of each part answered before the whole batch is (`Assembly`)
     on_part: PartAnswered | None = None
     answered: bool = False

@@ -341,7 +341,7 @@ class WorkerPool(PoolReports):
         for retry in dropped:
             self._retries.remove(retry)
             not_run(retry)
-            if retry.crashed_alone:
+            if retry.died_with == 1 and not retry.strike_counted:
                 self._strike_unrun(retry)
         for worker in self.workers:
             for running in worker.running.forget(future, items):
@@ -356,6 +356,11 @@ class WorkerPool(PoolReports):
                     self._pump()
         if dropped:
             self._pump()  # the queue no longer waits behind them
+
+    def died_with(self, future: asyncio.Future[BatchResult]) -> int:
+        """How many items the worker that died running the batch `future` (its retries
+        wait) ran as it died; 0 where none did, or it was stopped from outside."""
+        return max((r.died_with for r in self._retries if r.future is future), default=0)
 
     def _strike_unrun(self, retry: Job) -> None:
         """An input that crashed its worker running alone is not run again (nobody waits
@@ -621,20 +626,20 @@ class WorkerPool(PoolReports):
                 return worker, retry
         return None
 
-    def _retry_alone(self, job: Job, home: int | None, *, crashed_alone: bool = False) -> None:
+    def _retry_alone(self, job: Job, home: int | None, *, died_with: int = 0) -> None:
         """After a crash, run each item of the lost batch alone, ahead of the queue, on the
         worker that crashed once it is back (`home`; those nobody waits for any more are
         not run): on another, the input that crashed it would take that one down too,
         and every worker was restarting at once (a handler's poison input, two workers:
         41 of 60 requests in the 11 s after it answered 503). After a hang, on any
-        (`home` None). `crashed_alone`: the batch was one item, all its worker ran."""
+        (`home` None). `died_with`: the items its worker ran as it died."""
         for index, value in enumerate(job.inputs):
             if index in job.gone:
                 job.answer_unrun([index], NOT_RUN)
             else:
                 key = PoisonMemory.key(value, job.params)
                 retry = job.part([index], next(self._batch_ids), key, rerun=True)
-                self._retries.append(replace(retry, home=home, crashed_alone=crashed_alone))
+                self._retries.append(replace(retry, home=home, died_with=died_with))
 
     def _run_again_whole(self, job: Job) -> None:
         """A batch a dead worker held behind the one it ran never started: it runs again
@@ -992,10 +997,10 @@ class WorkerPool(PoolReports):
         )
         if was_healthy and not self.supervisor.healthy and not self._first_load_pending:
             self._say_unhealthy(worker)
-        # what it ran was one item alone: a crash that tells of that input
-        alone = strikes and len(sequences) + (len(job.inputs) if job else 0) == 1
+        # what it ran as it died (one item alone: a crash that tells of that input)
+        died_with = len(sequences) + (len(job.inputs) if job else 0) if strikes else 0
         if job is not None and decision.lost is not None:
-            self._carry_out(worker, job, decision.lost, alone)
+            self._carry_out(worker, job, decision.lost, died_with)
         for lost in sequences:
             self._detach(lost)
         together = self._together(sequences)
@@ -1010,7 +1015,7 @@ class WorkerPool(PoolReports):
             else:
                 key = lost.poison_key if strikes else None
                 decided = self.supervisor.lost(Held(lost.streamed, key))
-                self._carry_out(worker, lost, decided, alone)
+                self._carry_out(worker, lost, decided, died_with)
         if together:
             log.warning(
                 "worker %s: its %d sequences run again side by side once it is back (alone, "
@@ -1065,10 +1070,11 @@ class WorkerPool(PoolReports):
         return again if len(again) >= 2 else []
 
     def _carry_out(
-        self, worker: WorkerHandle, job: Job, lost: LostBatch, alone: bool = False
+        self, worker: WorkerHandle, job: Job, lost: LostBatch, died_with: int = 0
     ) -> None:
-        """Do what supervision decided for the batch a dead worker held, `alone` (all it
-        ran); nothing for one nobody waits for any more (it is not run again)."""
+        """Do what supervision decided for the batch a dead worker held as it died running
+        `died_with` items; nothing for one nobody waits for any more (it is not run
+        again)."""
         if job.abandoned or job.cancelled:
             not_run(job)
             return
@@ -1077,7 +1083,7 @@ class WorkerPool(PoolReports):
             outputs = (lost_by,) * len(job.inputs)
             job.answer(BatchResult(job.batch_id, outputs, 0.0))
         elif lost is LostBatch.RETRY_ALONE:
-            self._retry_alone(job, home_of(worker), crashed_alone=alone)
+            self._retry_alone(job, home_of(worker), died_with=died_with)
         elif lost is LostBatch.RUN_AGAIN_ALONE:
             log.warning(
                 "worker %s: an input running alone crashed the worker%s; running it alone "
@@ -1087,8 +1093,10 @@ class WorkerPool(PoolReports):
                 self.poison.strikes,
                 extra=request_named(job),
             )
-            again = replace(job, watchdog=None, home=home_of(worker), crashed_alone=False)
-            self._retries.append(again)  # (this crash counted, whether it runs or not)
+            again = replace(
+                job, watchdog=None, home=home_of(worker), died_with=died_with, strike_counted=True
+            )
+            self._retries.append(again)
         else:
             self._say_quarantined(worker, job, "crashed")
             if self.metrics is not None:
