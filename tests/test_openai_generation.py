@@ -2157,13 +2157,22 @@ def test_any_value_of_a_field_is_answered_well_or_refused_naming_that_field(
 
 def test_invocations_reads_tgis_three_bodies_as_tgis_sagemaker_route_does(servers):
     """SageMaker posts every request to /invocations: TGI answers a body with `inputs` as
-    /generate (streamed where it says so), one with `messages` as a chat completion and
-    one with `prompt` as a completion, each in its own shape."""
+    its POST / does (/generate's answer in a list, the prompt and its continuation unless
+    the body says otherwise; streamed where it says so), one with `messages` as a chat
+    completion and one with `prompt` as a completion, each in its own shape. (It was
+    /generate's bare object, the continuation alone: SageMaker code reads
+    `[0]["generated_text"]`.)"""
     server = servers["chat"]
     greedy = {"max_new_tokens": 4, "do_sample": False}
     generate = {"inputs": "hello", "parameters": greedy}
     status, body = server.post_json(generate, "/invocations")
-    assert status == 200 and body == server.post_json(generate, "/generate")[1]
+    whole = {**generate, "parameters": {**greedy, "return_full_text": True}}
+    expected = server.post_json(whole, "/generate")[1]
+    assert status == 200 and body == [expected], body
+    assert expected["generated_text"].startswith("hello")
+    alone = {**generate, "parameters": {**greedy, "return_full_text": False}}
+    status, body = server.post_json(alone, "/invocations")
+    assert status == 200 and body == [server.post_json(alone, "/generate")[1]]
     status, headers, streamed = server.request(
         "POST",
         "/invocations",
@@ -2171,7 +2180,8 @@ def test_invocations_reads_tgis_three_bodies_as_tgis_sagemaker_route_does(server
         {"Content-Type": "application/json"},
     )
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
-    assert b'"generated_text"' in streamed
+    last = json.loads(streamed.decode().strip().split("\n\n")[-1].removeprefix("data:"))
+    assert last["generated_text"] == expected["generated_text"]
     chat = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
     status, body = server.post_json(chat, "/invocations")
     assert status == 200 and body["object"] == "chat.completion"

@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from rawserve.api.sagemaker import invocation_path, target
+from rawserve.api.sagemaker import answered, invocation_path, target
 from rawserve.api.served import ServedModels
 from rawserve.http.errors import BadRequest, ModelNotFound
-from rawserve.http.exchange import HttpRequest
+from rawserve.http.exchange import HttpRequest, HttpResponse
 from tests.test_model_selection import served
 
 
@@ -49,6 +49,41 @@ GENERATION = ServedModels([served("gen", "text-generation")])
 )
 def test_a_generation_model_s_invocations_are_tgis_three_bodies(body, path):
     assert invocation_path(body, GENERATION) == path
+
+
+@pytest.mark.parametrize(
+    ("parameters", "full_text"),
+    [
+        (None, True),
+        ({}, True),
+        ({"return_full_text": None}, True),
+        ({"return_full_text": False}, False),
+    ],
+)
+def test_a_generation_asked_through_invocations_is_answered_as_tgis_post_slash(
+    parameters, full_text
+):
+    """TGI's SageMaker route is its `POST /`: the prompt and its continuation unless the
+    body says otherwise, streamed or not, and an answer whole in a list."""
+    for stream, path in ((False, "/generate"), (True, "/generate_stream")):
+        document = {"inputs": "hi", "stream": stream}
+        if parameters is not None:
+            document["parameters"] = parameters
+        asked = request("/invocations", json.dumps(document).encode())
+        routed = target(asked, GENERATION)
+        assert routed.path == path
+        assert json.loads(routed.body)["parameters"]["return_full_text"] is full_text
+    answer = HttpResponse(200, b'{"generated_text":"hi there"}')
+    assert (
+        answered(asked, target(asked, GENERATION), answer).body == b'{"generated_text":"hi there"}'
+    )
+    plain = request("/invocations", b'{"inputs": "hi"}')
+    listed = answered(plain, target(plain, GENERATION), answer)
+    assert json.loads(listed.body) == [{"generated_text": "hi there"}]
+    refused = HttpResponse(422, b'{"error":"no","error_type":"validation"}')
+    assert answered(plain, target(plain, GENERATION), refused) is refused
+    odd = request("/invocations", b'{"inputs": "hi", "parameters": [1]}')  # (the route refuses)
+    assert target(odd, GENERATION).body == odd.body
 
 
 def test_an_encoder_s_invocations_are_tei_s_route_for_it():

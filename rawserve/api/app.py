@@ -129,16 +129,17 @@ class App:
         self.gate.start_draining()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
+        routed = request
         try:
-            request = sagemaker.target(request, self.models)  # (/invocations: its route)
-            response = await self.route(request)
+            routed = sagemaker.target(request, self.models)  # (/invocations: its route)
+            response = sagemaker.answered(request, routed, await self.route(routed))
         except Exception as exc:
-            render = self.error_renderer(request)
+            render = self.error_renderer(routed)
             if render is None:
                 raise  # the protocol renders it
-            response = render(exc, request.request_id)
+            response = render(exc, routed.request_id)
         if self.cors is not None:
-            self.cors.add_headers(request, response)
+            self.cors.add_headers(routed, response)
         return response
 
     def error_renderer(self, request: HttpRequest) -> ErrorRenderer | None:

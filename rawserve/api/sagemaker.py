@@ -10,7 +10,8 @@ names (else the default model's), as TEI and TGI pick it, so it is known only on
 body is read (from the head alone, only its method and API key are checked):
 - a text-generation model: OpenAI's chat completions for a body with `messages`, its
   completions for one with `prompt`, else TGI's `/generate` (`/generate_stream` where
-  the body says `"stream": true`), as TGI's SageMaker route reads its three bodies; a
+  the body says `"stream": true`) as TGI's `POST /` answers it (`answered`), as TGI's
+  SageMaker route reads its three bodies; a
   body with `messages` or `prompt` (no `inputs`) that names no model goes to OpenAI's
   route whatever the first model is, which picks the model that can answer it;
 - a feature-extraction model: TEI's `/embed` (a SPLADE model: `/embed_sparse`; a body
@@ -31,8 +32,9 @@ from typing import Any
 from rawserve.api.bodies import read_json
 from rawserve.api.inference import MODELS_PREFIX
 from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.tgi import GENERATE, GENERATE_STREAM
 from rawserve.http.errors import HTTPError
-from rawserve.http.exchange import HttpRequest
+from rawserve.http.exchange import HttpRequest, HttpResponse
 
 PING = "/ping"
 INVOCATIONS = "/invocations"
@@ -51,6 +53,8 @@ def target(request: HttpRequest, models: ServedModels, body_read: bool = True) -
         return request
     document = body_document(request)
     path = invocation_path(document, models)
+    if path in (GENERATE, GENERATE_STREAM) and isinstance(document, dict):
+        return replace(request, path=path, body=full_text_asked(document, request.body))
     if path.startswith(MODELS_PREFIX) and isinstance(document, dict) and "model" in document:
         # checked here, as the other routes check it: the route it goes to reads no name
         # (a name not served, or not a text, was served by the first model, 200)
@@ -58,6 +62,30 @@ def target(request: HttpRequest, models: ServedModels, body_read: bool = True) -
         unnamed = {key: value for key, value in document.items() if key != "model"}
         return replace(request, path=path, body=json.dumps(unnamed).encode())
     return replace(request, path=path)
+
+
+def full_text_asked(document: dict[str, Any], body: bytes) -> bytes:
+    """The body of a generation asked through `/invocations`, its answer the prompt and
+    its continuation unless it says otherwise: TGI's SageMaker route is its `POST /`,
+    whose `return_full_text` is true by default for a text-generation model (`/generate`'s
+    is false). Parameters that are not an object are left to the route to refuse."""
+    parameters = document.get("parameters")
+    if parameters is None:
+        parameters = {}
+    if not isinstance(parameters, dict) or parameters.get("return_full_text") is not None:
+        return body
+    return json.dumps({**document, "parameters": {**parameters, "return_full_text": True}}).encode()
+
+
+def answered(asked: HttpRequest, routed: HttpRequest, response: HttpResponse) -> HttpResponse:
+    """The answer to `asked`, routed as `routed`: a generation asked through
+    `/invocations` and answered whole comes in a list, as TGI's SageMaker route (its
+    `POST /`) answers it, and as SageMaker code written for it reads it
+    (`predict(...)[0]["generated_text"]`)."""
+    listed = asked.path == INVOCATIONS and routed.path == GENERATE
+    if listed and response.status == 200 and response.stream is None:
+        return replace(response, body=b"[" + response.body + b"]")
+    return response
 
 
 def document_aliases(paths: dict[str, dict[str, Any]], models: ServedModels) -> None:
@@ -96,7 +124,7 @@ def invocation_path(document: Any, models: ServedModels) -> str:
     # (before a worker has loaded it, the task the server was started with)
     task = model.task or model.facts.get("task")
     if task == "text-generation":  # (TGI tries its bodies in this order)
-        return "/generate_stream" if body.get("stream") is True else "/generate"
+        return GENERATE_STREAM if body.get("stream") is True else GENERATE
     if task == "feature-extraction":  # (a SPLADE model's: its sparse vectors, as TEI's)
         if isinstance(body.get("inputs"), dict) and "source_sentence" in body["inputs"]:
             return "/similarity"  # (TEI's container serves it so where TASK says it)
