@@ -141,6 +141,23 @@ def test_the_inference_route_is_described_for_the_models_task(servers):
     assert "text-classification" in json.dumps(classifier)
 
 
+def test_a_generations_details_are_as_the_document_says(servers):
+    """/generate's details as they are answered fit the document's schema, each field
+    described: it said a prompt token has `special` and a number for `logprob` (the
+    first has null, and none has `special`), and left `top_tokens` out."""
+    from jsonschema import Draft202012Validator
+
+    server = servers["chat"]
+    route = document(server)["paths"]["/generate"]["post"]
+    schema = route["responses"]["200"]["content"]["application/json"]["schema"]
+    asked = {"max_new_tokens": 2, "decoder_input_details": True, "top_n_tokens": 2}
+    status, body = server.post_json({"inputs": "hello there", "parameters": asked}, "/generate")
+    assert status == 200, body
+    Draft202012Validator(schema).validate(body)
+    assert body["details"]["prefill"][0]["logprob"] is None
+    assert set(body["details"]) == set(schema["properties"]["details"]["properties"])
+
+
 # --- Schemathesis ---------------------------------------------------------------------
 
 

@@ -58,6 +58,16 @@ TOKEN: Schema = {
         "special": {"type": "boolean"},
     },
 }
+# a prompt's token: no `special`, and the first one's `logprob` null (nothing before it)
+PREFILL_TOKEN: Schema = {
+    "type": "object",
+    "required": ["id", "text", "logprob"],
+    "properties": {
+        "id": {"type": "integer"},
+        "text": {"type": "string"},
+        "logprob": {"type": ["number", "null"]},
+    },
+}
 GENERATE_RESPONSE: Schema = {
     "type": "object",
     "required": ["generated_text"],
@@ -71,8 +81,17 @@ GENERATE_RESPONSE: Schema = {
                 "finish_reason": {"enum": ["length", "eos_token", "stop_sequence"]},
                 "generated_tokens": {"type": "integer"},
                 "seed": {"type": ["integer", "null"]},
-                "prefill": {"type": "array", "items": TOKEN},
+                "prefill": {
+                    "type": "array",
+                    "items": PREFILL_TOKEN,
+                    "description": "the prompt's tokens, with `decoder_input_details`",
+                },
                 "tokens": {"type": "array", "items": TOKEN},
+                "top_tokens": {
+                    "type": "array",
+                    "items": {"type": "array", "items": TOKEN},
+                    "description": "with `top_n_tokens`: each new token's likeliest",
+                },
             },
         },
     },
