@@ -43,6 +43,7 @@ from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_
 from rawserve.ops.stop_signals import stop_signals
 from rawserve.options import (
     KEY_VARIABLE,
+    device_unservable,
     ignored_by_the_handler,
     misspelled_variables,
     parse_config,
@@ -479,6 +480,9 @@ def start(argv: Sequence[str] | None) -> int:
         log.warning("%s", line)
     if ignored := ignored_by_the_handler(config):
         log.warning("--handler serves its own callable: %s not applied", ", ".join(ignored))
+    if not config.handler and (unservable := device_unservable(config.model.devices)):
+        log.error("%s", unservable)  # (what a worker would say once loaded)
+        return 1
     # Until serve() puts the server's own handlers in place, SIGTERM stops the start as
     # Ctrl-C does: as a container's PID 1 (no init) the kernel ignores a signal left at its
     # default action, so a stop during a model's download waited for the SIGKILL after it.

@@ -36,6 +36,7 @@ from rawserve.models.sentence_folder import POOLING_MODES
 from rawserve.ops import layout
 from rawserve.ops.health_probe import DEFAULT_PORT, SAGEMAKER_COMMAND, SAGEMAKER_PORT
 from rawserve.ops.loops import LOOPS, chosen_loop
+from rawserve.shared import installed
 from rawserve.shared.devices import CoreCount, core_count, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS, without_credentials
 from rawserve.shared.messages import Engine
@@ -660,6 +661,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             parser.error(f"--model {text!r}: {exc}")
     if args.handler and models:
         parser.error("--handler serves its own callable: give no --model with it")
+    if args.handler and args.download_only:
+        parser.error("--download-only fetches a model: a --handler has none to fetch")
     # what a handler does not read: silently ignored, it would look honoured
     unread = [flag for flag, given in HANDLER_IGNORES.items() if args.handler and given(args)]
     if unread:
@@ -756,6 +759,27 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         access_log=not args.no_access_log,
         download_only=args.download_only,
     )
+
+
+def device_unservable(
+    devices: Sequence[str] | None, torch_version: str | None = None
+) -> str | None:
+    """Why the installed torch cannot serve a device of `devices` (--device parsed), as
+    far as its distribution's version says without importing it (a CPU build's `+cpu`),
+    where a worker would refuse it once torch is imported: said before the port is
+    taken, not after a server that could never serve had answered for seconds. None
+    where it may."""
+    devices = devices or ()
+    torch_version = torch_version or installed.version("torch") or ""
+    gpus = [device for device in devices if device.startswith("cuda")]
+    if gpus and torch_version.endswith("+cpu"):
+        return (
+            f"--device {gpus[0]}: torch {torch_version} is a build without CUDA: install a "
+            "CUDA build of torch, or serve with --device cpu"
+        )
+    if "mps" in devices and sys.platform != "darwin":
+        return "--device mps is an Apple GPU, on macOS only: serve with --device cpu"
+    return None
 
 
 def check_values(

@@ -32,7 +32,8 @@ from rawserve.main import model_facts, worker_config
 from rawserve.models.folder import FolderFacts
 from rawserve.models.plan import ModelPlan
 from rawserve.ops.stop_signals import stop_signals
-from rawserve.options import OPTIONS, parse_config
+from rawserve.options import OPTIONS, device_unservable, parse_config
+from rawserve.shared import installed
 from rawserve.shared.messages import Engine
 from tests.server import REPO_ROOT, RunningServer, ipv6_loopback
 
@@ -284,6 +285,7 @@ def test_pooling_is_read_in_sentence_transformers_words_and_tei_s(monkeypatch, g
         (["--engine", "onnx", "--device", "cpu", "--dtype", "bfloat16"], {}, "float32 here, not"),
         (["--pooling", "first"], {}, "--pooling must be one of cls, lasttoken, max, mean"),
         (["--pooling", "splade", *ECHO], {}, "--handler serves its own callable: --pooling"),
+        (["--download-only", *ECHO], {}, "--download-only fetches a model: a --handler has"),
         # an empty value (a variable that expanded to nothing) read as the option left out:
         # plain HTTP where TLS was meant, the default model where a handler was
         *[
@@ -304,6 +306,52 @@ def test_an_invalid_command_line_is_refused_with_a_clear_line(
     assert exited.value.code == 2
     [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert line.startswith("rawserve: error: ") and message in line
+
+
+@pytest.mark.parametrize(
+    ("devices", "torch_version", "refused"),
+    [
+        (("cuda:7",), "2.13.0+cpu", "--device cuda:7: torch 2.13.0+cpu is a build without CUDA"),
+        (("cpu", "cuda:1"), "2.13.0+cpu", "--device cuda:1"),
+        (("cuda:0",), "2.13.0", None),  # PyPI's Linux build has CUDA
+        (("cuda:0",), "2.13.0+cu128", None),
+        (("cpu",), "2.13.0+cpu", None),
+        (None, "2.13.0+cpu", None),  # the default layout: auto, the CPU where torch is
+    ],
+)
+def test_a_gpu_the_installed_torch_cannot_have_is_refused_before_the_server_listens(
+    devices, torch_version, refused
+):
+    """A CPU build of torch, known from its version without importing it: the server
+    bound its port, said "on a GPU: up to 256 items", and every worker refused it 11-14 s
+    later (a tester)."""
+    said = device_unservable(devices, torch_version)
+    assert said == refused if refused is None else said is not None and refused in said
+
+
+def test_an_apple_gpu_off_macos_is_refused_before_the_server_listens(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert "macOS only" in (device_unservable(("mps",), "2.13.0") or "")
+
+
+def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line():
+    if not (installed.version("torch") or "").endswith("+cpu"):
+        pytest.skip("torch here is not a CPU build: it may have a GPU to serve")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = subprocess.run(
+        [sys.executable, "-m", "rawserve", "--device", "cuda:7", "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert started.returncode == 1
+    [line] = [line for line in started.stderr.splitlines() if "ERROR" in line]
+    assert "--device cuda:7: torch" in line and "is a build without CUDA" in line
+    assert "listening" not in started.stderr
 
 
 def test_the_workers_per_core_are_planned_once_the_models_are_known(monkeypatch):
