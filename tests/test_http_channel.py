@@ -1362,7 +1362,7 @@ async def test_an_http_process_silent_for_seconds_is_killed_and_another_started(
     fleet, board = await watched_fleet((0.0, 0.05, 0.0))
     try:
         first = fleet.processes[0]
-        with caplog.at_level(logging.WARNING, "rawserve"):
+        with caplog.at_level(logging.INFO, "rawserve"):
             stopped = time.time()
             os.kill(first.pid, signal.SIGSTOP)
             until = time.monotonic() + 60
@@ -1377,6 +1377,9 @@ async def test_an_http_process_silent_for_seconds_is_killed_and_another_started(
         # it had listened: its requests withdrawn, replaced at once (not a failed start)
         [exited] = [r.message for r in caplog.records if f"(pid {first.pid}) exited" in r.message]
         assert exited.endswith("its requests are withdrawn; starting another"), exited
+        # and its replacement says it is back (after failed starts, nothing said so)
+        back = [r.message for r in caplog.records if "listening again" in r.message]
+        assert back == [f"HTTP process 0 (pid {peer.pid}) listening again"], back
     finally:
         await stop_fleet(fleet, board)
 

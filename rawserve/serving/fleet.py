@@ -201,6 +201,10 @@ class Fleet:
             )
             loop = asyncio.get_running_loop()
             loop.call_later(RESTART_PAUSE, lambda: loop.create_task(self._restart(index)))
+        else:
+            if (process := self.processes.get(index)) is not None and index in self.peers:
+                # (said once it is back: after failed starts, nothing said it had come)
+                log.info("HTTP process %d (pid %s) listening again", index, process.pid)
 
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes.values() if process.pid]
