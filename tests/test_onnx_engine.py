@@ -775,12 +775,14 @@ def test_a_graph_onnx_runtime_refuses_is_said_in_rawserve_s_line_alone(tmp_path,
 
 def graph_file(path, inputs, outputs, batch="batch"):
     """A hand-made graph's declaration alone (no nodes, no weights): `inputs` and
-    `outputs` map each name to (element type, rank)."""
+    `outputs` map each name to (element type, rank), or (element type, rank, the fixed
+    size of its last dimension)."""
     import onnx
     from onnx import helper
 
-    def value(name, element, rank):
-        return helper.make_tensor_value_info(name, element, [batch, "sequence", 4][:rank])
+    def value(name, element, rank, last=None):
+        dims = [batch, "sequence", "width"][:rank]
+        return helper.make_tensor_value_info(name, element, [*dims[:-1], last or dims[-1]])
 
     graph = helper.make_graph(
         [],
@@ -863,6 +865,95 @@ def test_a_shipped_graph_serves_only_what_it_fits(tmp_path, task, inputs, output
     graph = graph_file(tmp_path / "model.onnx", inputs, outputs, batch)
     unfit = onnx_engine.shipped_unfit(graph, onnx_engine.HEADS[task])
     assert unfit == reason or (reason is not None and unfit is not None and reason in unfit)
+
+
+def bert_config(**sizes):
+    import transformers
+
+    return transformers.BertConfig(hidden_size=32, num_attention_heads=2, vocab_size=99, **sizes)
+
+
+@pytest.mark.parametrize(
+    ("task", "outputs", "config", "reason"),
+    [
+        (  # the tester's: 3 logits beside 2 labels (a 500 at top_k 3, /predict's LABEL_2)
+            "text-classification",
+            {"logits": (FLOAT, 2, 3)},
+            bert_config(num_labels=2),
+            "its logits has 3 values in its last dimension, where config.json gives 2 "
+            "labels (num_labels)",
+        ),
+        (  # a reranker's one score beside a graph of two (wrong scores, answered 200)
+            "text-classification",
+            {"logits": (FLOAT, 2, 2)},
+            bert_config(num_labels=1),
+            "gives 1 labels (num_labels)",
+        ),
+        (  # an NLI head of 3 served 2 (every request a 500)
+            "zero-shot-classification",
+            {"logits": (FLOAT, 2, 2)},
+            bert_config(num_labels=3),
+            "gives 3 labels (num_labels)",
+        ),
+        ("text-classification", {"logits": (FLOAT, 2, 3)}, bert_config(num_labels=3), None),
+        ("text-classification", {"logits": (FLOAT, 2)}, bert_config(num_labels=3), None),
+        ("token-classification", {"logits": (FLOAT, 3, 4)}, bert_config(num_labels=5), "gives 5"),
+        ("token-classification", {"logits": (FLOAT, 3, 5)}, bert_config(num_labels=5), None),
+        (
+            "feature-extraction",
+            {"last_hidden_state": (FLOAT, 3, 384)},
+            bert_config(),
+            "its last_hidden_state has 384 values in its last dimension, where config.json "
+            "gives 32 as its hidden size",
+        ),
+        ("feature-extraction", {"last_hidden_state": (FLOAT, 3, 32)}, bert_config(), None),
+        ("fill-mask", {"logits": (FLOAT, 3, 100)}, bert_config(), "gives 99 tokens in its vocab"),
+        ("fill-mask", {"logits": (FLOAT, 3, 99)}, bert_config(), None),
+        (  # nothing of the config fixes a span's logits
+            "question-answering",
+            {"start_logits": (FLOAT, 2), "end_logits": (FLOAT, 2)},
+            bert_config(),
+            None,
+        ),
+        ("text-classification", {"logits": (FLOAT, 2, 3)}, None, None),  # no config read
+    ],
+)
+def test_a_shipped_graph_s_fixed_sizes_must_be_the_config_s(
+    tmp_path, task, outputs, config, reason
+):
+    """torch refuses weights of another size than config.json's at start; a graph that
+    fixed its logits at 3 beside 2 labels was served: a 500 (KeyError in id2label) at
+    top_k 3, an invented LABEL_2 in /predict, and a reranker's wrong scores answered 200."""
+    from rawserve.worker import onnx_engine
+
+    graph = graph_file(tmp_path / "model.onnx", TOKENS, outputs)
+    unfit = onnx_engine.shipped_unfit(graph, onnx_engine.HEADS[task], ALL_GIVEN, config)
+    assert unfit == reason or (reason is not None and unfit is not None and reason in unfit)
+
+
+def test_a_shipped_classifier_whose_logits_are_not_its_labels_is_exported_instead(
+    tiny_model, onnx_cache, tmp_path, caplog
+):
+    """A 2-label classifier shipping a 3-label head's graph (an NLI model's): with its
+    torch weights beside it, the engine trial picked that graph and served its wrong
+    scores; now the export of its own weights serves."""
+    from rawserve.worker import onnx_engine
+
+    source = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    exported = onnx_engine.exported_graph(source, head, onnx_cache)
+    nli = Path(tiny_model("zero-shot-classification"))
+    folder = tmp_path / source.name  # the same name and files: the same cached export
+    shutil.copytree(source, folder)
+    ship(onnx_engine.exported_graph(nli, head, onnx_cache), folder)
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "text-classification", 1, onnx_cache)
+    assert network.graph == exported and network.source == onnx_engine.EXPORTED
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.endswith(
+        "its logits has 3 values in its last dimension, where config.json gives 2 labels "
+        "(num_labels); exported instead"
+    )
 
 
 MASKED = {"input_ids": (INT64, 2), "attention_mask": (INT64, 2)}

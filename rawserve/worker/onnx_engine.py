@@ -92,18 +92,24 @@ EXPORT_OUTCOME = "outcome.json"  # beside the graph while the export's process m
 @dataclass(frozen=True)
 class Head:
     """What a task's model answers: its transformers class, ONNX outputs, output class,
-    and the dimensions of each output (batch, then labels, or sequence and more)."""
+    and the dimensions of each output (batch, then labels, or sequence and more), the
+    last of them the config's `size` where it names one."""
 
     auto_class: str
     outputs: tuple[str, ...]
     output_class: type
     rank: int
     pairs: bool = False  # it reads text pairs, whose halves the token_type_ids tell apart
+    size: str | None = None  # the config's attribute that each output's last dimension is
 
 
 HEADS: dict[str, Head] = {
     "feature-extraction": Head(
-        "AutoModel", ("last_hidden_state",), modeling_outputs.BaseModelOutput, 3
+        "AutoModel",
+        ("last_hidden_state",),
+        modeling_outputs.BaseModelOutput,
+        3,
+        size="hidden_size",
     ),
     "text-classification": Head(
         "AutoModelForSequenceClassification",
@@ -111,6 +117,7 @@ HEADS: dict[str, Head] = {
         modeling_outputs.SequenceClassifierOutput,
         2,
         pairs=True,
+        size="num_labels",
     ),
     "zero-shot-classification": Head(
         "AutoModelForSequenceClassification",
@@ -118,11 +125,18 @@ HEADS: dict[str, Head] = {
         modeling_outputs.SequenceClassifierOutput,
         2,
         pairs=True,
+        size="num_labels",
     ),
     "token-classification": Head(
-        "AutoModelForTokenClassification", ("logits",), modeling_outputs.TokenClassifierOutput, 3
+        "AutoModelForTokenClassification",
+        ("logits",),
+        modeling_outputs.TokenClassifierOutput,
+        3,
+        size="num_labels",
     ),
-    "fill-mask": Head("AutoModelForMaskedLM", ("logits",), modeling_outputs.MaskedLMOutput, 3),
+    "fill-mask": Head(
+        "AutoModelForMaskedLM", ("logits",), modeling_outputs.MaskedLMOutput, 3, size="vocab_size"
+    ),
     "question-answering": Head(
         "AutoModelForQuestionAnswering",
         ("start_logits", "end_logits"),
@@ -263,7 +277,7 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     cache_dir = cache_dir or engine_trial.default_cache_dir()
     shipped = folder / SHIPPED_GRAPH
     if shipped.is_file():
-        unfit = shipped_unfit(shipped, head, tokenizer_inputs(model))
+        unfit = shipped_unfit(shipped, head, tokenizer_inputs(model), config)
         if unfit is None:
             try:
                 network = _own_network(folder, cache_dir, config, head, threads, cores)
@@ -395,13 +409,16 @@ def tokenizer_inputs(model: str) -> frozenset[str] | None:
     return frozenset(tokenizer.model_input_names)
 
 
-def shipped_unfit(graph: Path, head: Head, given: frozenset[str] | None = None) -> str | None:
+def shipped_unfit(
+    graph: Path, head: Head, given: frozenset[str] | None = None, config: Any = None
+) -> str | None:
     """Why a shipped graph cannot serve this head (None: it can), read from the graph
     alone, without its weights: it must take only the tokenizer's int64 tensors, of any
     batch and length, among them the attention mask and (for a head that reads text
     pairs) the segment ids where the tokenizer gives them (`given`), and answer the
-    head's outputs in float32 with the head's dimensions. Whether its answers are the
-    model's is not checked: the repo's export is trusted."""
+    head's outputs in float32 with the head's dimensions, the last of the size `config`
+    gives where the graph fixes it (`config_size`). Whether its answers are the model's
+    is not checked: the repo's export is trusted."""
     import onnx  # the optional `onnx` extra
 
     try:
@@ -438,9 +455,34 @@ def shipped_unfit(graph: Path, head: Head, given: frozenset[str] | None = None) 
         tensor = outputs[name].type.tensor_type
         if tensor.elem_type != onnx.TensorProto.FLOAT:
             return f"its {name} is not float32"
-        if tensor.HasField("shape") and len(tensor.shape.dim) != head.rank:
+        if not tensor.HasField("shape"):
+            continue
+        if len(tensor.shape.dim) != head.rank:
             return f"its {name} has {len(tensor.shape.dim)} dimensions, not {head.rank}"
+        last, size = tensor.shape.dim[-1], config_size(config, head)
+        if size is not None and last.HasField("dim_value") and last.dim_value != size:
+            # a classifier's 3 logits under 2 labels: a 500 at top_k 3 (no id2label[2]),
+            # or, a reranker's 2 under 1 label, wrong scores answered 200
+            return (
+                f"its {name} has {last.dim_value} values in its last dimension, where "
+                f"config.json gives {size} {SIZES[head.size or '']}"
+            )
     return None
+
+
+# what each `Head.size` counts, for `shipped_unfit`'s line
+SIZES = {
+    "num_labels": "labels (num_labels)",
+    "hidden_size": "as its hidden size",
+    "vocab_size": "tokens in its vocabulary (vocab_size)",
+}
+
+
+def config_size(config: Any, head: Head) -> int | None:
+    """The size the model's config gives each of the head's outputs in its last
+    dimension (None: the head's has none, or the config does not say it)."""
+    value = getattr(config, head.size, None) if head.size and config is not None else None
+    return value if type(value) is int and value > 0 else None
 
 
 def cache_key(folder: Path, head: Head) -> dict[str, Any]:
