@@ -1118,6 +1118,64 @@ def test_a_folder_with_only_its_onnx_graph_is_served_by_the_default_engine(
     assert np.isfinite(vector).all()
 
 
+@pytest.mark.parametrize(
+    ("shipped", "reason"),
+    [
+        ("no weights file", "ONNX Runtime cannot load it ([ONNXRuntimeError]"),
+        ("opset 99", "ONNX Runtime cannot load it ("),
+        ("not a graph", "it cannot be read ("),
+        ("no segment ids", "it takes no token_type_ids, which the tokenizer gives"),
+        ("3 logits", "its logits has 3 values in its last dimension, where config.json gives 2"),
+    ],
+)
+def test_a_folder_with_only_an_onnx_graph_that_cannot_serve_stops_with_the_graph_s_fault(
+    tiny_model, onnx_cache, tmp_path, caplog, monkeypatch, shipped, reason
+):
+    """It said the graph's fault in a warning ending "exported instead", spent 6-100 s on
+    an export that could not succeed, and stopped blaming the torch weights the folder
+    never had (NotExportable: no file named model.safetensors): now the graph's own fault
+    stops the start at once, as the server refuses such a folder for --engine torch."""
+    import onnx
+
+    from rawserve.worker import onnx_engine
+    from rawserve.worker.loading import load_runner
+
+    source = Path(tiny_model("text-classification"))
+    folder = tmp_path / "onnx-only"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    head = onnx_engine.HEADS["text-classification"]
+    graph = folder / "onnx" / "model.onnx"
+    if shipped in ("no weights file", "opset 99"):
+        ship(onnx_engine.exported_graph(source, head, onnx_cache), folder)
+        if shipped == "no weights file":
+            (folder / "onnx" / "model.onnx.data").unlink()
+        else:
+            model = onnx.load(str(graph), load_external_data=False)
+            for opset in model.opset_import:
+                opset.version = 99 if opset.domain == "" else opset.version
+            onnx.save(model, str(graph))
+    elif shipped == "not a graph":
+        graph.parent.mkdir()
+        graph.write_bytes(b"not a protobuf at all \x00\xff")
+    else:
+        inputs = MASKED if shipped == "no segment ids" else TOKENS
+        graph_file(graph, inputs, {"logits": (FLOAT, 2, 3 if shipped == "3 logits" else 2)})
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    config = WorkerConfig(
+        model=str(folder), task="text-classification", dtype="auto", engine=Engine.AUTO
+    )
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as raised:
+        load_runner(config, "cpu")
+    message = str(raised.value)
+    assert message.startswith(
+        "the folder has no PyTorch weights, only its ONNX graph (onnx/model.onnx), which "
+        "does not serve text-classification: "
+    )
+    assert reason in message and "\n" not in message
+    assert not caplog.records  # (no "exported instead")
+    assert not (tmp_path / "cache").exists()  # nothing exported
+
+
 def test_the_cache_key_follows_the_files_content(tiny_model, tmp_path):
     from rawserve.worker import onnx_engine
 

@@ -53,7 +53,7 @@ import torch
 import transformers
 from transformers import modeling_outputs
 
-from rawserve.models.folder import SHIPPED_GRAPH
+from rawserve.models.folder import SHIPPED_GRAPH, TORCH_WEIGHTS
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import first_line
 from rawserve.shared.memory import give_back_free_memory
@@ -286,6 +286,12 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
             else:
                 log.info("ONNX engine: the model's own graph %s", SHIPPED_GRAPH)
                 return network
+        if not any((folder / name).is_file() for name in TORCH_WEIGHTS):
+            # nothing to export: an export spent 6-100 s to fail blaming the weights
+            raise ValueError(
+                f"the folder has no PyTorch weights, only its ONNX graph ({SHIPPED_GRAPH}), "
+                f"which does not serve {task}: {unfit}"
+            )
         log.warning("ONNX engine: %s does not serve %s: %s; exported instead", SHIPPED, task, unfit)
     graph = exported_graph(folder, head, cache_dir)
     try:
