@@ -880,34 +880,38 @@ def bert_config(**sizes):
             "text-classification",
             {"logits": (FLOAT, 2, 3)},
             bert_config(num_labels=2),
-            "its logits has 3 values in its last dimension, where config.json gives 2 "
-            "labels (num_labels)",
+            "its logits has 3 values in its last dimension, where config.json's num_labels is 2",
         ),
         (  # a reranker's one score beside a graph of two (wrong scores, answered 200)
             "text-classification",
             {"logits": (FLOAT, 2, 2)},
             bert_config(num_labels=1),
-            "gives 1 labels (num_labels)",
+            "where config.json's num_labels is 1",
         ),
         (  # an NLI head of 3 served 2 (every request a 500)
             "zero-shot-classification",
             {"logits": (FLOAT, 2, 2)},
             bert_config(num_labels=3),
-            "gives 3 labels (num_labels)",
+            "where config.json's num_labels is 3",
         ),
         ("text-classification", {"logits": (FLOAT, 2, 3)}, bert_config(num_labels=3), None),
         ("text-classification", {"logits": (FLOAT, 2)}, bert_config(num_labels=3), None),
-        ("token-classification", {"logits": (FLOAT, 3, 4)}, bert_config(num_labels=5), "gives 5"),
+        (
+            "token-classification",
+            {"logits": (FLOAT, 3, 4)},
+            bert_config(num_labels=5),
+            "num_labels is 5",
+        ),
         ("token-classification", {"logits": (FLOAT, 3, 5)}, bert_config(num_labels=5), None),
         (
             "feature-extraction",
             {"last_hidden_state": (FLOAT, 3, 384)},
             bert_config(),
-            "its last_hidden_state has 384 values in its last dimension, where config.json "
-            "gives 32 as its hidden size",
+            "its last_hidden_state has 384 values in its last dimension, where config.json's "
+            "hidden_size is 32",
         ),
         ("feature-extraction", {"last_hidden_state": (FLOAT, 3, 32)}, bert_config(), None),
-        ("fill-mask", {"logits": (FLOAT, 3, 100)}, bert_config(), "gives 99 tokens in its vocab"),
+        ("fill-mask", {"logits": (FLOAT, 3, 100)}, bert_config(), "vocab_size is 99"),
         ("fill-mask", {"logits": (FLOAT, 3, 99)}, bert_config(), None),
         (  # nothing of the config fixes a span's logits
             "question-answering",
@@ -951,8 +955,8 @@ def test_a_shipped_classifier_whose_logits_are_not_its_labels_is_exported_instea
     assert network.graph == exported and network.source == onnx_engine.EXPORTED
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.endswith(
-        "its logits has 3 values in its last dimension, where config.json gives 2 labels "
-        "(num_labels); exported instead"
+        "its logits has 3 values in its last dimension, where config.json's num_labels is "
+        "2; exported instead"
     )
 
 
@@ -1125,7 +1129,10 @@ def test_a_folder_with_only_its_onnx_graph_is_served_by_the_default_engine(
         ("opset 99", "ONNX Runtime cannot load it ("),
         ("not a graph", "it cannot be read ("),
         ("no segment ids", "it takes no token_type_ids, which the tokenizer gives"),
-        ("3 logits", "its logits has 3 values in its last dimension, where config.json gives 2"),
+        (
+            "3 logits",
+            "its logits has 3 values in its last dimension, where config.json's num_labels is 2",
+        ),
     ],
 )
 def test_a_folder_with_only_an_onnx_graph_that_cannot_serve_stops_with_the_graph_s_fault(

@@ -471,17 +471,9 @@ def shipped_unfit(
             # or, a reranker's 2 under 1 label, wrong scores answered 200
             return (
                 f"its {name} has {last.dim_value} values in its last dimension, where "
-                f"config.json gives {size} {SIZES[head.size or '']}"
+                f"config.json's {head.size} is {size}"
             )
     return None
-
-
-# what each `Head.size` counts, for `shipped_unfit`'s line
-SIZES = {
-    "num_labels": "labels (num_labels)",
-    "hidden_size": "as its hidden size",
-    "vocab_size": "tokens in its vocabulary (vocab_size)",
-}
 
 
 def config_size(config: Any, head: Head) -> int | None:
