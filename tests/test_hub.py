@@ -851,6 +851,29 @@ def test_an_onnx_only_repo_is_served_by_the_onnx_engine_and_refused_clearly_else
             assert not list((home / "hub").rglob("*.onnx*"))
 
 
+@pytest.mark.parametrize(("changed", "served"), [(1, True), (2, False)])
+def test_an_onnx_graph_whose_bytes_differ_from_its_hash_is_never_kept(tmp_path, changed, served):
+    """The graph was fetched apart from the snapshot, and never hashed: a byte changed on
+    the way stayed in the cache under a name that is not its sha256, and every later
+    start failed ("cannot be exported to ONNX"). Hashed as the snapshot's files are:
+    downloaded again once; changed twice, the start stops naming it."""
+    files = {name: FILES[name] for name in NEEDED - {"model.safetensors"}}
+    repo = HubRepo("org/tiny")
+    repo.add_commit({**files, **SHIPPED}, refs=("main",))  # the graph is its only LFS file
+    with FakeHub([repo], changed=changed) as hub:
+        result = run_resolve("org/tiny", tmp_path, 120, PLAN, "onnx", HF_ENDPOINT=hub.endpoint)
+    assert "model org/tiny: onnx/model.onnx did not match the hash the Hub named" in result.stderr
+    blobs = list((tmp_path / "hub").rglob("blobs/*"))
+    assert blobs and all(hashes_to_its_name(blob) for blob in blobs)
+    if served:
+        folder = resolved(result)
+        assert (folder / "onnx/model.onnx").read_bytes() == SHIPPED["onnx/model.onnx"]
+    else:
+        line = one_error_line(result)
+        assert line.startswith("error: model org/tiny: onnx/model.onnx did not match the hash")
+        assert "downloaded twice" in line and "HF_ENDPOINT" in line
+
+
 def test_an_onnx_graph_that_cannot_be_had_is_one_line_and_the_model_served(tmp_path):
     """Offline, a cache filled for --engine torch lacks it: the model is served all the
     same, and exported."""

@@ -198,12 +198,7 @@ def resolve_hub(spec: ModelSpec, hub: HubContact) -> ResolvedModel:
             folder = download()
         changed = changed_downloads(Path(folder), since)
         if changed:  # deleted: downloaded again, once
-            log.warning(
-                "model %s: %s did not match the hash the Hub named (changed on the way): "
-                "downloading again",
-                at,
-                ", ".join(changed),
-            )
+            say_changed(at, changed)
             folder = download()
             changed = changed_downloads(Path(folder), since)
     except ModelNotFound:  # said already
@@ -223,11 +218,7 @@ def resolve_hub(spec: ModelSpec, hub: HubContact) -> ResolvedModel:
         )
         folder, files = str(snapshot), cached_files(repo_id, snapshot.name)
     if changed:
-        raise ModelNotFound(
-            f"{at}: {', '.join(changed)} did not match the hash the Hub named, downloaded "
-            "twice (a proxy or the network on the way changes it): deleted from the cache; "
-            "check the way to HF_ENDPOINT"
-        )
+        raise ModelNotFound(f"{at}: {changed_twice(changed)}")
     commit = Path(folder).name
     log.info(
         "model %s: commit %s in %s (%.1f s)",
@@ -246,7 +237,9 @@ def fetch_shipped_graph(
     model's folder, for the ONNX engine: loaded in a second where an export takes tens.
     Nothing where the repo has none; a failure is a log line, and the engine exports,
     but ModelNotFound where the graph is the repo's `only_weights`. From the cache alone
-    where `hub` has not answered in this start."""
+    where `hub` has not answered in this start. What it downloads is hashed as the
+    snapshot's files are: downloaded again once where changed on the way, ModelNotFound
+    where changed again."""
     files = resolved.files or ()
     if resolved.repo_id is None or SHIPPED_GRAPH not in files:
         return
@@ -254,20 +247,34 @@ def fetch_shipped_graph(
         return
     from huggingface_hub import hf_hub_download  # (here: see the module's docstring)
 
-    started = time.monotonic()
-    try:
-        for name in (SHIPPED_GRAPH, *(name for name in SHIPPED_GRAPH_DATA if name in files)):
+    repo_id = resolved.repo_id
+    names = (SHIPPED_GRAPH, *(name for name in SHIPPED_GRAPH_DATA if name in files))
+
+    def download() -> None:
+        for name in names:
             hf_hub_download(
-                resolved.repo_id,
+                repo_id,
                 name,
                 revision=resolved.commit,
                 tqdm_class=LoggedProgress,
                 local_files_only=hub is not None and hub.lost,
             )
+
+    started = time.monotonic()
+    since = time.time() - 1.0  # blobs written from here on are this fetch's downloads
+    changed: list[str] = []
+    try:
+        # hashed as the snapshot's files are (resolve_hub): a byte changed on the way was
+        # kept in the cache, and every later start failed to load or export the model
+        download()
+        if changed := changed_downloads(resolved.folder, since, names):
+            say_changed(repo_id, changed)
+            download()
+            changed = changed_downloads(resolved.folder, since, names)
     except Exception as exc:  # noqa: BLE001 - the engine exports the model instead
         if hub is not None and hub.lost and exc.__cause__ is None:
             exc.__cause__ = hub.silence  # the why of "not in the Hub cache"
-        reason = explain(exc, resolved.repo_id, resolved.commit)
+        reason = explain(exc, repo_id, resolved.commit)
         if only_weights:
             raise ModelNotFound(
                 f"the repo's {SHIPPED_GRAPH}, its only weights, was not downloaded: {reason}"
@@ -278,11 +285,31 @@ def fetch_shipped_graph(
             reason,
         )
         return
+    if changed:  # the network on the way changes it: exporting instead would hide that
+        raise ModelNotFound(changed_twice(changed))
     log.info(
         "model %s: the repo's %s, for the ONNX engine (%.1f s)",
-        resolved.repo_id,
+        repo_id,
         SHIPPED_GRAPH,
         time.monotonic() - started,
+    )
+
+
+def say_changed(at: str, changed: Sequence[str]) -> None:
+    """Says that this start's downloads `changed` (deleted) are downloaded again."""
+    log.warning(
+        "model %s: %s did not match the hash the Hub named (changed on the way): downloading again",
+        at,
+        ", ".join(changed),
+    )
+
+
+def changed_twice(changed: Sequence[str]) -> str:
+    """Why files whose second download did not match its hash either are refused."""
+    return (
+        f"{', '.join(changed)} did not match the hash the Hub named, downloaded twice (a "
+        "proxy or the network on the way changes it): deleted from the cache; check the "
+        "way to HF_ENDPOINT"
     )
 
 

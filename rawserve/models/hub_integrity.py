@@ -13,17 +13,22 @@ Server process, before any worker starts; standard library only.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from pathlib import Path
 
 CHUNK = 1 << 20  # bytes hashed at a time
 
 
-def changed_downloads(snapshot: Path, since: float) -> list[str]:
-    """The files of `snapshot` whose blob was written at `since` (a `time.time()`) or
-    later and does not hash to its name, each deleted with its link, so that the next
-    download writes it again (huggingface_hub takes a blob that is there as done)."""
+def changed_downloads(
+    snapshot: Path, since: float, names: Collection[str] | None = None
+) -> list[str]:
+    """The files of `snapshot` (those of `names` alone, where given) whose blob was
+    written at `since` (a `time.time()`) or later and does not hash to its name, each
+    deleted with its link, so that the next download writes it again (huggingface_hub
+    takes a blob that is there as done)."""
     changed = []
-    for link in sorted(snapshot.rglob("*")):
+    links = sorted(snapshot.rglob("*")) if names is None else [snapshot / n for n in names]
+    for link in links:
         if not link.is_symlink():
             continue
         blob = link.resolve()

@@ -177,7 +177,10 @@ def _plan(
         _fetch_only_graph(resolved, spec.task, named, onnx_graphs, hub)
     facts = _facts(resolved.folder, spec.task, named, pooling)
     if onnx_graphs and onnx_unfit(facts.task, pooling=facts.pooling) is None:  # where read
-        fetch_shipped_graph(resolved, hub=hub)
+        try:
+            fetch_shipped_graph(resolved, hub=hub)
+        except ModelNotFound as exc:
+            raise ModelNotFound(f"model {named}: {exc}") from None
     return ModelPlan(
         names=resolved.names,
         source=spec.source,
