@@ -762,6 +762,50 @@ def test_what_the_offline_cache_lacks_is_one_line(tmp_path, spec, words):
     assert "HF_ENDPOINT" not in line
 
 
+UNLISTED = {name: FILES[name] for name in ("config.json", "tokenizer.json", "model.safetensors")}
+GENERATING = {**UNLISTED, "config.json": b'{"architectures": ["GPT2LMHeadModel"]}'}
+
+
+@pytest.mark.parametrize(
+    ("files", "env", "says"),
+    [
+        (UNLISTED, {"HF_HUB_OFFLINE": "1"}, "(it has no modules.json: served with pooling none"),
+        # the Hub unreachable: the cache serves, as offline
+        (UNLISTED, {"HF_ENDPOINT": "http://127.0.0.1:9"}, "(it has no modules.json: served"),
+        (
+            {**UNLISTED, "config_sentence_transformers.json": b"{}"},
+            {"HF_HUB_OFFLINE": "1"},
+            "(it has config_sentence_transformers.json but no modules.json: a sentence-",
+        ),
+        (GENERATING, {"HF_HUB_OFFLINE": "1"}, "(it has no generation_config.json: the repo's"),
+    ],
+    ids=["offline", "unreachable", "sentence-transformers", "generating"],
+)
+def test_a_cached_snapshot_without_its_listing_is_served_saying_what_may_be_missing(
+    tmp_path, files, env, says
+):
+    """A cache filled file by file (transformers' from_pretrained, hf_hub_download) has
+    no listing of the repo's files: served offline, or with the Hub unreachable, as
+    though whole, and a sentence-transformers repo without its modules.json was served
+    with another pooling, without a word. Served all the same (as transformers serves
+    it), with one line naming what may be missing and how to complete it."""
+    repo = HubRepo("org/st")
+    repo.add_commit(files, refs=("main",))
+    write_hub_cache(tmp_path / "hub", repo)  # (as from_pretrained leaves it: no listing)
+    result = run_resolve("org/st", tmp_path, 120, PLAN, "torch", **env)
+    assert resolved(result) == tmp_path / "hub" / "models--org--st" / "snapshots" / repo.main
+    [line] = [line for line in result.stderr.splitlines() if "no listing" in line]
+    assert f"model org/st: the Hub cache holds no listing of org/st's files at {repo.main}" in line
+    assert says in line and "start once with the Hub reachable" in line
+
+
+def test_a_cached_snapshot_with_its_listing_is_served_without_a_word_of_it(tmp_path):
+    with FakeHub([make_repo("org/st")]) as hub:
+        folder = resolved(run_resolve("org/st", tmp_path, HF_ENDPOINT=hub.endpoint))
+    result = run_resolve("org/st", tmp_path, 120, PLAN, "torch", HF_HUB_OFFLINE="1")
+    assert resolved(result) == folder and "no listing" not in result.stderr
+
+
 # --- the real download path, against the stand-in -------------------------------------
 
 

@@ -110,7 +110,9 @@ class ResolvedModel:
     spec: ModelSpec
     folder: Path
     commit: str | None = None  # the Hub commit the folder holds; None for a plain folder
-    files: tuple[str, ...] | None = None  # the repo's file names at that commit, if known
+    # the repo's file names at that commit, if known: None for a Hub repo where neither the
+    # Hub nor the cache's listing said them (`plan.say_unlisted`)
+    files: tuple[str, ...] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -220,6 +222,8 @@ def resolve_hub(spec: ModelSpec, hub: HubContact) -> ResolvedModel:
     if changed:
         raise ModelNotFound(f"{at}: {changed_twice(changed)}")
     commit = Path(folder).name
+    if files is None:  # the download may have listed them (its info refused, say)
+        files = cached_files(repo_id, commit)
     log.info(
         "model %s: commit %s in %s (%.1f s)",
         at,

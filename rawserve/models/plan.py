@@ -40,6 +40,10 @@ from rawserve.tasks import onnx_unfit
 log = logging.getLogger("rawserve")
 
 PACKAGED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the packaged model is
+# what a file-by-file cache (transformers' from_pretrained) may lack (`say_unlisted`)
+SENTENCE_MODULES = "modules.json"
+SENTENCE_CONFIG = "config_sentence_transformers.json"
+GENERATION_CONFIG = "generation_config.json"
 # why an ONNX-only repo is not served where the ONNX engine may not run
 ONNX_ELSEWHERE = (
     "ONNX Runtime serves it only on the CPU, in float32, with onnxruntime installed and "
@@ -173,6 +177,7 @@ def _plan(
     `onnx_graphs`: fetch the repo's own ONNX graph where the engine may read it;
     `pooling`: --pooling's mode; `hub`: what the start has found of the Hub so far)."""
     resolved = resolve_model(spec, hub)
+    say_unlisted(resolved, spec.task, named)
     if only_shipped_graph(resolved):  # its graph is the model, or nothing is
         _fetch_only_graph(resolved, spec.task, named, onnx_graphs, hub)
     facts = _facts(resolved.folder, spec.task, named, pooling)
@@ -188,6 +193,49 @@ def _plan(
         commit=resolved.commit,
         facts=facts,
         requested_task=spec.task,
+    )
+
+
+def say_unlisted(resolved: ResolvedModel, task: str | None, named: str) -> None:
+    """Says, in one line, where a Hub repo's snapshot is served though neither the Hub nor
+    the cache listed its files (`ResolvedModel.files`): served offline or with the Hub
+    unreachable, a cache filled file by file (transformers' from_pretrained,
+    hf_hub_download) looked whole, and a sentence-transformers repo without its
+    modules.json was served with another pooling, without a word. Served all the same,
+    as transformers and sentence-transformers serve such a cache; what its absence
+    changes is named where the folder shows it."""
+    if resolved.repo_id is None or resolved.files is not None:
+        return
+    folder = resolved.folder
+    try:
+        task = TASK_ALIASES.get(task, task) if task else infer_task(folder)
+    except (OSError, ValueError):  # (its facts say what is wrong)
+        task = None
+    missing = ""
+    if not (folder / SENTENCE_MODULES).is_file():
+        if (folder / SENTENCE_CONFIG).is_file():
+            missing = (
+                f" (it has {SENTENCE_CONFIG} but no {SENTENCE_MODULES}: a sentence-transformers "
+                f"model, served without the pooling, normalization and Dense layers its "
+                f"{SENTENCE_MODULES} names)"
+            )
+        elif task == "feature-extraction":
+            missing = (
+                f" (it has no {SENTENCE_MODULES}: served with pooling none, where a "
+                f"sentence-transformers repo's {SENTENCE_MODULES} names its own pooling, "
+                "normalization and Dense layers)"
+            )
+    if task == "text-generation" and not (folder / GENERATION_CONFIG).is_file():
+        missing = f" (it has no {GENERATION_CONFIG}: the repo's generation defaults are not read)"
+    log.warning(
+        "model %s: the Hub cache holds no listing of %s's files at %s (a cache filled by "
+        "transformers' from_pretrained or hf_hub_download), so files the Hub has may be "
+        "missing%s: to complete it, start once with the Hub reachable (--download-only does, "
+        "without serving)",
+        named,
+        resolved.repo_id,
+        resolved.commit,
+        missing,
     )
 
 
