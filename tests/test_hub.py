@@ -207,6 +207,26 @@ def test_a_malformed_model_name_is_refused_with_a_reason(text):
 
 
 @pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("https://huggingface.co/org/st", "name the Hub repo as 'org/st'"),
+        ("emb=http://hf.co/org/st/tree/main:feature-extraction", "as 'org/st'"),
+        ("HTTPS://huggingface.co/org/st/?library=transformers", "as 'org/st'"),
+        ("https://hf.co/gpt2", "name the Hub repo as 'gpt2'"),
+        ("https://huggingface.co/datasets/org/data", "name a Hub repo as 'org/name'"),
+        ("https://mirror.example/org/st", "name a Hub repo as 'org/name' (HF_ENDPOINT"),
+        ("s3://bucket/model", "name a Hub repo as 'org/name'"),
+    ],
+)
+def test_a_url_is_refused_as_no_model_id_saying_which_to_give(text, says):
+    """A repo's page copied whole read "'//huggingface.co/org/st' (after ':') is not a
+    task name"."""
+    with pytest.raises(ModelNameError, match="a URL is not a model id: name ") as caught:
+        parse_model_spec(text)
+    assert says in str(caught.value) and "task" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
     ("text", "names"),
     [
         ("org/name@v1", ("org/name",)),

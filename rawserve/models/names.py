@@ -21,9 +21,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from urllib.parse import urlsplit
 
 ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 TASK_NAME = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+# a URL's start (`https://`): a repo's page copied whole, read as a name and a task after ':'
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+HUB_HOSTS = ("huggingface.co", "www.huggingface.co", "hf.co")  # whose paths start org/name
+NOT_MODEL_PAGES = ("datasets", "spaces", "docs", "models", "collections")  # ... but these
 # What starts a folder name for sure (a Hub id never starts so).
 FOLDER_PREFIXES = ("/", "./", "../", "~", ".")
 
@@ -98,6 +103,8 @@ def parse_model_spec(text: str) -> ModelSpec:
         raise ModelNameError(f"the model alias {alias!r} names no folder or Hub id")
     if is_folder(text):
         return ModelSpec(source=text, alias=alias)
+    if URL.match(text):
+        raise ModelNameError(not_a_url(text))
     task = None
     body, colon, suffix = text.rpartition(":")
     if colon and TASK_NAME.fullmatch(suffix):
@@ -112,6 +119,19 @@ def parse_model_spec(text: str) -> ModelSpec:
     if at and not revision:
         raise ModelNameError(f"{text!r} ends with '@' but names no revision")
     return ModelSpec(source=source, revision=revision or None, alias=alias, task=task)
+
+
+def not_a_url(url: str) -> str:
+    """Why a URL is refused, and the repo id to give where it is a Hub repo's page."""
+    parts = [part for part in urlsplit(url).path.split("/") if part]
+    host = (urlsplit(url).hostname or "").lower()
+    if host in HUB_HOSTS and parts and parts[0] not in NOT_MODEL_PAGES:
+        repo = "/".join(parts[:2])
+        return f"a URL is not a model id: name the Hub repo as {repo!r}"
+    return (
+        "a URL is not a model id: name a Hub repo as 'org/name' (HF_ENDPOINT "
+        "sets the Hub, or a mirror, to download it from), or a local folder"
+    )
 
 
 def default_names(spec: ModelSpec) -> tuple[str, ...]:
