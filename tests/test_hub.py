@@ -1101,6 +1101,30 @@ def test_no_network_and_nothing_cached_is_one_line(tmp_path):
     assert "org/tiny is not in the Hub cache" in line and "cannot be reached" in line
 
 
+def test_why_the_hub_cannot_be_reached_is_in_the_line_that_ends_the_start(tmp_path):
+    """The line said only "cannot be reached": the cause (a certificate not trusted, a
+    timeout) was in a warning above it, which a log filtered to errors drops."""
+    import ssl
+
+    import trustme
+
+    with FakeHub([]) as hub:
+        refused = hub.endpoint  # a port that refuses connections once the stand-in stops
+    line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=refused))
+    assert line.endswith("cannot be reached ([Errno 111] Connection refused)"), line
+    with SilentHub() as silent:
+        env = {"HF_ENDPOINT": silent.endpoint, "HF_HUB_ETAG_TIMEOUT": "1"}
+        line = one_error_line(run_resolve("org/tiny", tmp_path, timeout=60, **env))
+    assert line.endswith("cannot be reached (no answer within 1 s, HF_HUB_ETAG_TIMEOUT)"), line
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    trustme.CA().issue_cert("127.0.0.1").configure_cert(context)  # a CA no one trusts
+    with FakeHub([]) as hub:
+        hub._server.socket = context.wrap_socket(hub._server.socket, server_side=True)
+        endpoint = hub.endpoint.replace("http://", "https://")
+        line = one_error_line(run_resolve("org/tiny", tmp_path, timeout=60, HF_ENDPOINT=endpoint))
+    assert "cannot be reached ([SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed" in line
+
+
 def test_a_hub_that_never_answers_is_given_up_then_the_cache_serves(tmp_path):
     """A Hub (or a proxy) that takes the connection and never answers: huggingface_hub
     set no limit on the repo's info, and the start waited forever. Each wait now ends

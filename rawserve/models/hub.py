@@ -55,7 +55,7 @@ from tqdm.std import tqdm
 
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIGHTS
 from rawserve.models.hub_asking import MAX_HUB_WAIT_SECONDS, AskingAgain, wait_asked
-from rawserve.models.hub_contact import HubContact
+from rawserve.models.hub_contact import HubContact, in_short, not_answering
 from rawserve.models.hub_integrity import changed_downloads, cut_short, forget
 from rawserve.models.names import ModelSpec, default_names, is_folder
 from rawserve.models.sentence_folder import dense_paths
@@ -694,7 +694,9 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
         if isinstance(failed, HfHubHTTPError) and failed.response is not None:
             status = failed.response.status_code
             return f"{where} and the Hub ({hub}) answered {status}{later(status)}"
-        return f"{where} and the Hub ({hub}) cannot be reached"
+        root = None if failed is None else not_answering(failed)
+        cause = "" if root is None else f" ({in_short(root)})"
+        return f"{where} and the Hub ({hub}) cannot be reached{cause}"
     if isinstance(exc, json.JSONDecodeError):  # a web page, a proxy's login form
         return (
             f"{without_credentials(constants.ENDPOINT)} answered for {at} with something other "

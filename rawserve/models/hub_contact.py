@@ -91,3 +91,15 @@ def failed(failure: BaseException, repo_id: str) -> str:
         f"the Hub ({hub}) cannot be reached for {repo_id} ({first_line(failure)[:200]}; "
         "HF_HUB_OFFLINE=1 does not try)"
     )
+
+
+def in_short(failure: BaseException) -> str:
+    """`not_answering`'s failure in a few words, for the line that ends a start (the
+    warning that said it whole may be far above it)."""
+    from huggingface_hub import constants  # (here: see rawserve.models.hub's docstring)
+
+    if isinstance(failure, HfHubHTTPError) and failure.response is not None:
+        return f"it answered {failure.response.status_code}"
+    if isinstance(failure, httpx2.TimeoutException):
+        return f"no answer within {constants.HF_HUB_ETAG_TIMEOUT} s, HF_HUB_ETAG_TIMEOUT"
+    return first_line(failure)[:200]  # a refused connection, a certificate not trusted
