@@ -8,6 +8,7 @@ would set, exactly as the server does it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -26,7 +27,14 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, ModelNotFound, fetched, files_to_skip
+from rawserve.models.hub import (
+    NOT_NEEDED,
+    PICKLED_WEIGHTS,
+    ModelNotFound,
+    explain,
+    fetched,
+    files_to_skip,
+)
 from rawserve.models.hub_integrity import hashes_to_its_name
 from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
 from rawserve.models.plan import plan_models
@@ -1431,6 +1439,18 @@ def test_a_cached_blob_is_kept_where_its_bytes_hash_to_its_name(tmp_path, named_
     blob = tmp_path / named_by(data)
     blob.write_bytes(data)
     assert hashes_to_its_name(blob) is kept
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_disk_that_fills_while_downloading_names_the_hub_cache(tmp_path, monkeypatch, code):
+    """It said "[Errno 28] No space left on device", naming no folder. (Filled for real,
+    a small tmpfs as HF_HUB_CACHE, the download fails with this same OSError.)"""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    line = explain(OSError(code, os.strerror(code)), "org/tiny", None)
+    assert line.startswith(f"could not download org/tiny: the Hub cache's disk is full ({tmp_path}")
+    assert f"[Errno {code}] {os.strerror(code)}" in line and "set HF_HUB_CACHE" in line
 
 
 def test_a_listed_file_the_hub_does_not_serve_is_named(tmp_path):

@@ -23,6 +23,7 @@ one line (rawserve.options), has been read.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import logging
@@ -97,6 +98,7 @@ PROGRESS_SECONDS = 5.0  # a download logs a progress line this often
 SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
 COMMIT = re.compile(r"[0-9a-f]{7,40}")  # a commit's id, whole or short
 WHOLE_COMMIT = re.compile(r"[0-9a-f]{40}")  # a commit's whole id: what it holds never changes
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a download's write that found no room
 
 
 class ModelNotFound(Exception):
@@ -712,6 +714,12 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
             )
         status = exc.response.status_code
         return f"the Hub answered {status} for {at}{later(status)}"
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL:  # (it named no folder)
+        return (
+            f"could not download {at}: the Hub cache's disk is full ({constants.HF_HUB_CACHE}: "
+            f"{first_line(exc)[:200]}): free space there, or set HF_HUB_CACHE to a folder "
+            "on a disk with room"
+        )
     if isinstance(exc, (httpx2.HTTPError, OSError)):
         return f"could not download {at}: {first_line(exc)[:200]}"
     return f"could not resolve {at}: {type(exc).__name__}"
