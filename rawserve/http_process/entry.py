@@ -225,7 +225,11 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
         )
         link.refuse_pending()
         await requests_answered(state, FINAL_WRITE_SECONDS)
+        link.send(("drained",))
     else:
+        # what it holds is answered (a body still coming, its 503 included): the serving
+        # process, which sees only the requests it was handed, waits for this word
+        link.send(("drained",))
         # its own answered, the other processes' may not be: its idle connections stay
         # open (a request there is answered 503, as with one process) until the serving
         # process says the server's drain is over (they were closed at once, and a

@@ -15,6 +15,7 @@ sends back the answer:
     ("samples", token, families)  an HTTP process's own metrics, asked for by ("collect", token)
     ("alive",)                    its event loop turns (every half second: `Peer.silent_looks`)
     ("listening", pid)            it has bound its sockets and takes connections
+    ("drained",)                  told to drain, it has answered every request it holds
     ("pong", token)               it read every message sent before ("ping", token)
 
 It publishes each model's queue state on the `Board` (read by the HTTP processes on
@@ -99,6 +100,7 @@ class Peer:
     streams: dict[int, tuple[ModelService, int]] = field(default_factory=dict)
     listening: asyncio.Event = field(default_factory=asyncio.Event)  # its socket is open
     silent_looks: int = 0  # the fleet's looks since it last said it is alive
+    drained: bool = False  # told to drain, it answered every request it held
     families: list[Family] = field(default_factory=list)  # its metrics, as last given
 
 
@@ -210,11 +212,17 @@ class Bridge:
             await asyncio.wait(waits, timeout=COLLECT_SECONDS)
 
     async def requests_answered(self, timeout: float) -> bool:
-        """Wait until no HTTP process has a request under way here (or `timeout` passes):
-        the server's drain is done when every process's is."""
+        """Wait until no HTTP process has a request under way (or `timeout` passes): the
+        server's drain is done when every process's is. Each listening one says so
+        ("drained"): a request whose body was still coming as the drain began is its own
+        until its body is in (seen by its runs here alone, the drain ended at once and
+        the HTTP processes were closed under it)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout
-        while any(peer.runs or peer.streams for peer in self.peers.values()):
+        while any(
+            peer.runs or peer.streams or (peer.listening.is_set() and not peer.drained)
+            for peer in self.peers.values()
+        ):
             if loop.time() >= until:
                 return False
             await asyncio.sleep(DRAIN_LOOK_SECONDS)
@@ -272,6 +280,8 @@ class Bridge:
                     done.set_result(None)
         elif kind == "alive":
             peer.silent_looks = 0
+        elif kind == "drained":
+            peer.drained = True
 
     def _begin(
         self,
