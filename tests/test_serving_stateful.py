@@ -647,24 +647,29 @@ def test_a_lone_input_not_run_again_after_its_crash_still_counts_toward_quaranti
     is answered there: 500 as no worker would be back in time (one worker), or 504 as it
     waits for its own worker's restart (two: on the other, it would take that one down
     too). That crash counts toward its input's quarantine as a crash of its run again
-    would. Counted only there, a poison input sent with deadlines shorter than a restart
-    took a worker down at every request and was never refused."""
+    would, the first one remembered only, as a first crash alone is where it runs again:
+    three crashes quarantine it, and two outside kills (the OOM killer) do not (they
+    did in the first version). Counted only where it ran again, a poison input sent with
+    deadlines shorter than a restart took a worker down at every request and was never
+    refused."""
     serving = loaded(workers=workers, max_batch_size=4)
     serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
     for worker in serving.pool.workers[1:]:
         serving.load(worker)
     answered = Reason.MODEL_FAILED if workers == 1 else Reason.DEADLINE_PASSED
-    for _ in range(2):
+    for crash in range(3):
         poison = serving.arrive(["poison"], {}, timeout=0.3)
         ((crashed, _, _),) = serving.answerable()
         serving.crash(crashed)
-        serving.advance(1.5)  # past its deadline, and the restart's backoff
+        serving.advance(2.5)  # past its deadline, and the restart's backoff
         assert poison.outcome is answered
         serving.load(crashed)
+        if crash == 1:  # two crashes (two outside kills alike): not quarantined
+            assert not serving.pool.supervisor.is_poison("poison", {})
     refused = serving.arrive(["poison"], {}, timeout=0.3)
     assert refused.outcome == "results" and refused.ends[0][1][0].output == REFUSED_POISON
     other = serving.arrive(["other"], {}, timeout=0.3)
-    assert sent(serving) == [("poison",), ("poison",), ("other",)]  # refused, not run
+    assert sent(serving) == [("poison",)] * 3 + [("other",)]  # refused, not run
     serving.answer(*serving.answerable()[0])
     assert other.outcome == "results"
 

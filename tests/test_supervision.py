@@ -86,6 +86,28 @@ def test_a_crash_while_alone_runs_it_alone_again_then_quarantines_it():
     assert not sup.is_poison("crash me", {"top_k": 2})  # other parameters: another input
 
 
+def test_crashes_alone_not_run_again_quarantine_an_input_at_the_third_as_run_again_ones_do():
+    """A lone input's crash not run again (nobody waits for it) counts as its run again's
+    crash would, but a first one is only remembered: as where it runs again, three
+    crashes quarantine it (a first alone, then two counted), and two outside kills never
+    do. It mixes with crashes of its runs again, and expires as they do."""
+    memory = PoisonMemory(clock=lambda: 0.0)
+    key = PoisonMemory.key("crash me", {})
+    assert not memory.crashed_unrun(key) and key not in memory and len(memory) == 1
+    assert not memory.crashed_unrun(key) and key not in memory  # two: not proof
+    assert memory.crashed_unrun(key) and key in memory
+    mixed = PoisonMemory(clock=lambda: 0.0)
+    assert not mixed.crashed_unrun(key)
+    assert not mixed.crashed(key)  # a run again's crash: the first counted
+    assert mixed.crashed_unrun(key) and key in mixed
+    now = [0.0]
+    expiring = PoisonMemory(clock=lambda: now[0])
+    expiring.crashed_unrun(key)
+    now[0] = supervision.QUARANTINE_SECONDS
+    assert not expiring.crashed_unrun(key)  # the first forgotten: this one is first again
+    assert not expiring.crashed_unrun(key) and key not in expiring
+
+
 def test_a_hung_batch_runs_its_items_again_alone_and_a_lone_input_hung_twice_is_quarantined():
     """Killed at --batch-timeout: the innocent partner of an input that hangs is not
     failed with it; one hanging alone fails, and the same one hung again is quarantined

@@ -365,14 +365,14 @@ class WorkerPool(PoolReports):
     def _strike_unrun(self, retry: Job) -> None:
         """An input that crashed its worker running alone is not run again (nobody waits
         for it: its deadline passed as it waited for its worker's restart, or was due
-        before it): that crash counts toward its quarantine, as its run again's would
-        have. Counted only there, a poison input sent with deadlines shorter than a
-        restart took a worker down at every request and was never refused."""
+        before it, or its client left): that crash counts toward its quarantine
+        (`PoisonMemory.crashed_unrun`: a first one is only remembered). Counted only
+        where it ran again, a poison input sent with deadlines shorter than a restart
+        took a worker down at every request and was never refused. (Its item was
+        counted as dropped already: no `poison` drop here.)"""
         assert retry.poison_key is not None and retry.home is not None
-        if self.poison.crashed(retry.poison_key):
+        if self.poison.crashed_unrun(retry.poison_key):
             self._say_quarantined(self.workers[retry.home], retry, "crashed")
-            if self.metrics is not None:
-                self.metrics.drop("poison")
 
     def _cancel(self, worker: WorkerHandle, job: Job) -> None:
         if job.cancelled or worker.conn is None:

@@ -121,6 +121,21 @@ class PoisonMemory:
             self._entries.popitem(last=False)
         return count >= self.strikes
 
+    def crashed_unrun(self, key: str) -> bool:
+        """Count a crash of this input running alone that is not run again (nobody waits
+        for it any more); True when it is now quarantined. A first one is remembered,
+        not counted, as a lone input's first crash is not where it runs again (its run
+        again's crash is the first counted): two outside kills (the OOM killer) of one
+        input whose deadline is shorter than a restart made it poison; three crashes
+        quarantine it, however its deadlines fall."""
+        if self._entry(key) is not None:
+            return self.crashed(key)
+        self._entries[key] = _Crashes(0, self.clock() + self.seconds)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return False
+
     def __contains__(self, key: str) -> bool:
         """Whether the input is quarantined (refused without being run)."""
         entry = self._entry(key)
