@@ -480,7 +480,10 @@ def start(argv: Sequence[str] | None) -> int:
         log.warning("%s", line)
     if ignored := ignored_by_the_handler(config):
         log.warning("--handler serves its own callable: %s not applied", ", ".join(ignored))
-    if not config.handler and (unservable := device_unservable(config.model.devices)):
+    # (a download fills a cache for a GPU machine from one without: README "Serving your
+    # own model")
+    unservable = not config.download_only and device_unservable(config.model.devices)
+    if not config.handler and unservable:
         log.error("%s", unservable)  # (what a worker would say once loaded)
         return 1
     # Until serve() puts the server's own handlers in place, SIGTERM stops the start as

@@ -352,6 +352,16 @@ def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line():
     [line] = [line for line in started.stderr.splitlines() if "ERROR" in line]
     assert "--device cuda:7: torch" in line and "is a build without CUDA" in line
     assert "listening" not in started.stderr
+    # a download fills a cache for a GPU machine from one without (the README's way)
+    downloaded = subprocess.run(
+        [sys.executable, "-m", "rawserve", "--download-only", "--device", "cuda:7"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert downloaded.returncode == 0, downloaded.stderr[-2000:]
 
 
 def test_the_workers_per_core_are_planned_once_the_models_are_known(monkeypatch):
