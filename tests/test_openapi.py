@@ -156,6 +156,11 @@ def test_a_generations_details_are_as_the_document_says(servers):
     Draft202012Validator(schema).validate(body)
     assert body["details"]["prefill"][0]["logprob"] is None
     assert set(body["details"]) == set(schema["properties"]["details"]["properties"])
+    # /invocations answers it in a list, as its own document says (it said /generate's)
+    invoked = document(server)["paths"]["/invocations"]["post"]["responses"]["200"]
+    status, body = server.post_json({"inputs": "hello there", "parameters": asked}, "/invocations")
+    assert status == 200, body
+    Draft202012Validator(invoked["content"]["application/json"]["schema"]).validate(body)
 
 
 # --- Schemathesis ---------------------------------------------------------------------

@@ -101,9 +101,22 @@ def document_aliases(paths: dict[str, dict[str, Any]], models: ServedModels) -> 
         operation = paths.get(path, {}).get(method)
         if operation is not None:
             summary = f"SageMaker's name for {method.upper()} {path}: {operation['summary']}"
-            paths[alias] = {
-                method: {**operation, "summary": summary, "operationId": f"{method}_{alias[1:]}"}
-            }
+            operation = {**operation, "summary": summary, "operationId": f"{method}_{alias[1:]}"}
+            if alias == INVOCATIONS and path == GENERATE:
+                operation = listed_answer(operation)
+            paths[alias] = {method: operation}
+
+
+def listed_answer(operation: dict[str, Any]) -> dict[str, Any]:
+    """`operation` (/generate's) as `/invocations` answers it: its answer in a list
+    (`answered`)."""
+    responses = dict(operation["responses"])
+    answer = responses["200"]
+    content = dict(answer["content"])
+    whole = content["application/json"]
+    content["application/json"] = {**whole, "schema": {"type": "array", "items": whole["schema"]}}
+    responses["200"] = {**answer, "content": content}
+    return {**operation, "responses": responses}
 
 
 def invocation_path(document: Any, models: ServedModels) -> str:
