@@ -192,6 +192,7 @@ def build_model(
     scheduler = Scheduler(core, executor, loop=loop, metrics=counts, slice_answers=slice_answers)
     executor.on_idle = scheduler.wake  # a worker may be free: the scheduler looks again
     executor.on_down = scheduler.answer_unreachable  # what cannot wait for a restart
+    executor.on_pinned = scheduler.answer_pinned  # ... nor for its own worker's
     metrics.watch(plan.name, scheduler, executor)
     service = ModelService(scheduler, executor)
     facts = model_facts(plan, config, workers)

@@ -644,25 +644,25 @@ def test_an_input_quarantined_as_the_restart_outlasts_its_deadline_gets_its_verd
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_lone_input_not_run_again_after_its_crash_still_counts_toward_quarantine(loaded, workers):
     """A request sent alone whose worker died with it, not run again before its deadline,
-    is answered there: 500 as no worker would be back in time (one worker), or 504 as it
-    waits for its own worker's restart (two: on the other, it would take that one down
-    too). That crash counts toward its input's quarantine as a crash of its run again
-    would, the first one remembered only, as a first crash alone is where it runs again:
-    three crashes quarantine it, and two outside kills (the OOM killer) do not (they
-    did in the first version). Counted only where it ran again, a poison input sent with
-    deadlines shorter than a restart took a worker down at every request and was never
-    refused."""
+    is answered 500 at once, where another worker serves too (it waits for its own
+    worker's restart: on the other, it would take that one down too; it waited for its
+    504 while the other idled). That crash counts toward its input's quarantine as a
+    crash of its run again would, the first one remembered only, as a first crash alone
+    is where it runs again: three crashes quarantine it, and two outside kills (the OOM
+    killer) do not (they did in the first version). Counted only where it ran again, a
+    poison input sent with deadlines shorter than a restart took a worker down at every
+    request and was never refused."""
     serving = loaded(workers=workers, max_batch_size=4)
     serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    serving.pool.on_pinned = serving.scheduler.answer_pinned
     for worker in serving.pool.workers[1:]:
         serving.load(worker)
-    answered = Reason.MODEL_FAILED if workers == 1 else Reason.DEADLINE_PASSED
     for crash in range(3):
         poison = serving.arrive(["poison"], {}, timeout=0.3)
         ((crashed, _, _),) = serving.answerable()
         serving.crash(crashed)
-        serving.advance(2.5)  # past its deadline, and the restart's backoff
-        assert poison.outcome is answered
+        assert poison.outcome is Reason.MODEL_FAILED  # (500, at once)
+        serving.advance(2.5)  # the restart's backoff
         serving.load(crashed)
         if crash == 1:  # two crashes (two outside kills alike): not quarantined
             assert not serving.pool.supervisor.is_poison("poison", {})
@@ -672,6 +672,44 @@ def test_a_lone_input_not_run_again_after_its_crash_still_counts_toward_quaranti
     assert sent(serving) == [("poison",)] * 3 + [("other",)]  # refused, not run
     serving.answer(*serving.answerable()[0])
     assert other.outcome == "results"
+
+
+def test_a_crashed_batch_due_before_its_workers_restart_is_answered_beside_an_idle_worker(
+    loaded,
+):
+    """The items of a batch whose worker died wait to run again alone on it, once it is
+    back (on the other, what killed it would take that one down too): those due before
+    its restart are answered at once, 503 with the wait (a proxy retries them on another
+    replica), where they waited for their 504s while the other worker sat idle (a
+    tester: 6 of 6 batch-mates); those with time enough wait and are served; new
+    requests go to the other worker."""
+    serving = loaded(workers=2, max_batch_size=4)
+    serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    serving.pool.on_pinned = serving.scheduler.answer_pinned
+    serving.load(serving.pool.workers[1])
+    busy = [serving.arrive([name], {}, timeout=30.0) for name in ("busy", "busier")]
+    hurried = [serving.arrive([name], {}, timeout=0.3) for name in ("a", "b")]
+    patient = serving.arrive(["c"], {}, timeout=30.0)
+    (first, second) = serving.answerable()
+    serving.answer(*first)  # its worker takes the three queued together
+    [(crashed, _, batch)] = [held for held in serving.answerable() if held[0] is first[0]]
+    assert batch.inputs == ("a", "b", "c")
+    serving.answer(*second)  # the other worker is idle
+    assert [request.outcome for request in busy] == ["results"] * 2
+    serving.crash(crashed)
+    assert [request.outcome for request in hurried] == [Reason.LOADING] * 2  # 503, at once
+    assert patient.outcome is None
+    fresh = serving.arrive(["fresh"], {}, timeout=0.3)
+    ((worker, conn, batch),) = serving.answerable()  # the other, with the new one only
+    assert worker is not crashed and batch.inputs == ("fresh",)
+    serving.answer(worker, conn, batch)
+    assert fresh.outcome == "results"
+    serving.advance(0.6)
+    serving.load(crashed)
+    ((worker, conn, batch),) = serving.answerable()
+    assert worker is crashed and batch.inputs == ("c",)  # alone, where it crashed
+    serving.answer(worker, conn, batch)
+    assert patient.outcome == "results"
 
 
 def test_an_item_run_again_after_a_crash_is_not_stopped_as_its_batch_mate_ends(loaded):

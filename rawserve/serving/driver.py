@@ -210,7 +210,7 @@ class Scheduler:
         self._sent: dict[asyncio.Future[BatchResult], list[WorkItem]] = {}  # until answered
         self._run_ids = itertools.count()
         self._late = LateWatch(self._on_late, clock)
-        self._not_back_in_time: set[int] = set()  # runs ended by `answer_unreachable`
+        self._not_back_in_time: set[int] = set()  # runs ended by `_answer_not_back`
         # told by `answer_unreachable` that no worker serves: until one does again, a run
         # admitted is checked as the runs waiting then were
         self._down = False
@@ -423,21 +423,39 @@ class Scheduler:
         due = [run_id for run_id, at in self._late.late_at.items() if at < serving_again_at]
         retry_after = _restart_wait(serving_again_at, self.clock())
         for run_id in due:
+            self._answer_not_back(run_id, retry_after)
+
+    def answer_pinned(
+        self, batches: Collection[asyncio.Future[BatchResult]], back_at: float
+    ) -> None:
+        """A worker died while others serve, and the items of `batches` wait to run again
+        on it alone, once it is back at `back_at` (on another, what killed it would take
+        that one down too): each run of them due before then is answered now, as
+        `answer_unreachable` answers it (500 for a request its worker ran alone, else
+        503 with the wait), not left to its 504 while another worker idles."""
+        due = [run_id for run_id, at in self._late.late_at.items() if at < back_at]
+        retry_after = _restart_wait(back_at, self.clock())
+        for run_id in due:
             items = self._runs.get(run_id, ())
-            waiting = _waiting_for_a_worker(items)
-            if waiting is not None:
-                del self._runs[run_id]
-                self._late.forget(run_id)
-                self._not_back_in_time.add(run_id)
-                refusal = (
-                    crashed_not_back()
-                    if any(self._sent_alone(item) for item in items if _waits(item))
-                    else not_back_in_time(retry_after)
-                )
-                waiting.set_exception(refusal)
+            if any(item.batch in batches for item in items if _waits(item)):
+                self._answer_not_back(run_id, retry_after)
+
+    def _answer_not_back(self, run_id: int, retry_after: float | None) -> None:
+        """Answer a run that no worker would compute before its deadline, where it still
+        waits for one: 500 where its request was all its dead worker ran (what killed
+        it, likely), else 503 with `retry_after`."""
+        items = self._runs.get(run_id, ())
+        waiting = _waiting_for_a_worker(items)
+        if waiting is None:
+            return
+        del self._runs[run_id]
+        self._late.forget(run_id)
+        self._not_back_in_time.add(run_id)
+        alone = any(self._sent_alone(item) for item in items if _waits(item))
+        waiting.set_exception(crashed_not_back() if alone else not_back_in_time(retry_after))
 
     def _sent_alone(self, item: WorkItem) -> bool:
-        """Whether `item`'s request was all its worker ran as it died (every worker is
+        """Whether `item`'s request was all its worker ran as it died (that worker is
         down when this is asked): what killed the worker, likely. One beside another
         request's items (a batch-mate, or a continuous worker's sequence beside others on
         its rows) may be a batch-mate of what did: a 503, which a proxy retries

@@ -164,6 +164,11 @@ class WorkerPool(PoolReports):
         # told, when a death leaves no worker serving, when one should serve again (the
         # scheduler answers at once the requests due before then)
         self.on_down: Callable[[float], None] | None = None
+        # told, when a worker dies while others serve, of the batches whose items wait to
+        # run again on it alone and when it should be back (those the restart would
+        # outlast are answered at once)
+        self.on_pinned: Callable[[Collection[asyncio.Future[BatchResult]], float], None] | None
+        self.on_pinned = None
         self.metrics = metrics
         self.streams = TokenStreams()  # streamed generations and who takes their tokens
         self.last_ready: WorkerReady | None = None  # what a worker last said of the model
@@ -371,8 +376,10 @@ class WorkerPool(PoolReports):
         took a worker down at every request and was never refused. (Its item was
         counted as dropped already: no `poison` drop here.)"""
         assert retry.poison_key is not None and retry.home is not None
-        if self.poison.crashed_unrun(retry.poison_key):
-            self._say_quarantined(self.workers[retry.home], retry, "crashed")
+        if self.poison.crashed_unrun(retry.poison_key):  # (its first crash not counted)
+            self._say_quarantined(
+                self.workers[retry.home], retry, "crashed", self.poison.strikes + 1
+            )
 
     def _cancel(self, worker: WorkerHandle, job: Job) -> None:
         if job.cancelled or worker.conn is None:
@@ -1049,6 +1056,7 @@ class WorkerPool(PoolReports):
         self._running_loop.call_later(decision.restart_in, self._respawn, worker)
         self._pump()  # another worker may be free for the batch that never started
         self._tell_down()
+        self._tell_pinned(worker)
 
     @staticmethod
     def _together(held: list[Job]) -> list[Job]:
@@ -1103,13 +1111,13 @@ class WorkerPool(PoolReports):
                 self.metrics.drop("poison")
             job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
 
-    def _say_quarantined(self, worker: WorkerHandle, job: Job, how: str) -> None:
+    def _say_quarantined(self, worker: WorkerHandle, job: Job, how: str, times: int = 0) -> None:
         log.error(
             "worker %s: one input %s the worker %d times on its own%s; it is refused for "
             "the next %.0f s",
             worker.label,
             how,
-            self.poison.strikes,
+            times or self.poison.strikes,
             job_requests(job),
             self.poison.seconds,
             extra=request_named(job),
@@ -1184,6 +1192,18 @@ class WorkerPool(PoolReports):
             worker.label,
             why,
         )
+
+    def _tell_pinned(self, worker: WorkerHandle) -> None:
+        """While other workers serve, tell `on_pinned` which batches wait to run again on
+        the dead `worker` alone (on another, what killed it would take that one down
+        too) and when it should be back: those due before then waited for their 504s
+        while another worker sat idle."""
+        back = self.supervisor.back_at(worker.index)
+        if self.on_pinned is None or back is None or self.serving_again_at() is not None:
+            return  # (no worker serves: `_tell_down` said it for every request)
+        pinned = {retry.future for retry in self._retries if retry.home == worker.index}
+        if pinned:
+            self.on_pinned(pinned, back)
 
     def _tell_down(self) -> None:
         """With no worker serving, tell `on_down` when one should again."""

@@ -316,6 +316,13 @@ class Supervisor:
     def restarted(self) -> bool:
         return any(r.restarts for r in self.records)
 
+    def back_at(self, index: int) -> float | None:
+        """When worker `index`, dead, should serve again: once its restart's backoff is
+        over, in its expected start time (None: no guess founded)."""
+        record = self.records[index]
+        expected = record.expected_start
+        return None if expected is None else record.restart_at + expected
+
     def serving_again_at(self, workers: Sequence[tuple[WorkerState, float]]) -> float | None:
         """While no worker serves: the soonest one should again, each dead one once its
         backoff is over and each starting one from its start, in its expected start time
