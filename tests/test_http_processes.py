@@ -184,6 +184,7 @@ def servers(request):
             "idle_draining_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
             "short_grace_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "1"]),
             "mid_body_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
+            "stopped_http_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "20"]),
         },
     ) as get:
         yield get
@@ -197,6 +198,7 @@ stalled_server = module_server("stalled_server")
 idle_draining_server = module_server("idle_draining_server")
 short_grace_server = module_server("short_grace_server")
 mid_body_server = module_server("mid_body_server")
+stopped_http_server = module_server("stopped_http_server")
 
 
 def test_both_http_processes_answer_and_info_lists_every_process(server):
@@ -486,6 +488,24 @@ def test_a_drain_answers_the_requests_whose_bodies_are_still_coming(mid_body_ser
     finally:
         for client in clients:
             client.close()
+        server.stop()
+
+
+def test_a_stopped_http_process_does_not_hold_the_drain_for_its_grace(stopped_http_server):
+    """The drain waits for each HTTP process to say it has answered what it holds, but a
+    stopped one (SIGSTOP) says nothing: one silent is not waited for (it held a drain with
+    nothing under way for its whole grace period: 12 s of a 10 s grace, against 1 s)."""
+    server = stopped_http_server  # --grace 20, nothing under way
+    stopped = http_pids(server)[0]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0
+        assert time.monotonic() - started < 12, "the drain waited for the stopped process"
+    finally:
+        if not gone(stopped):
+            os.kill(stopped, signal.SIGCONT)
         server.stop()
 
 

@@ -661,7 +661,11 @@ def test_a_lone_input_not_run_again_after_its_crash_still_counts_toward_quaranti
         poison = serving.arrive(["poison"], {}, timeout=0.3)
         ((crashed, _, _),) = serving.answerable()
         serving.crash(crashed)
-        assert poison.outcome is Reason.MODEL_FAILED  # (500, at once)
+        if crash < 2:
+            assert poison.outcome is Reason.MODEL_FAILED  # (500, at once)
+        else:  # quarantined as it crashes: its verdict (500 too)
+            assert poison.outcome == "results"
+            assert poison.ends[0][1][0].output == CRASHED_ALONE
         serving.advance(2.5)  # the restart's backoff
         serving.load(crashed)
         if crash == 1:  # two crashes (two outside kills alike): not quarantined
@@ -672,6 +676,35 @@ def test_a_lone_input_not_run_again_after_its_crash_still_counts_toward_quaranti
     assert sent(serving) == [("poison",)] * 3 + [("other",)]  # refused, not run
     serving.answer(*serving.answerable()[0])
     assert other.outcome == "results"
+
+
+@pytest.mark.parametrize("ended", ["deadline", "client"])
+def test_a_lone_input_whose_request_ended_before_its_crash_still_counts_toward_quarantine(
+    loaded, ended, caplog
+):
+    """A lone input that crashes its worker after its request ended (its deadline passed
+    as it ran, or its client left) counts as one that is not run again does: an input
+    that segfaults a second into its run, sent with a shorter timeout, took the worker
+    down at every request and was never refused (the review: 7 deaths)."""
+    serving = loaded(max_batch_size=4)
+    serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    worker = serving.pool.workers[0]
+    caplog.set_level(logging.ERROR, "rawserve")
+    for backoff in (0.5, 1.0, 2.0):
+        poison = serving.arrive(["poison"], {}, timeout=0.3)
+        if ended == "deadline":
+            serving.advance(0.4)
+            assert poison.outcome is Reason.DEADLINE_PASSED
+        else:
+            serving.leave(poison)
+        serving.crash(worker)
+        serving.advance(backoff)
+        serving.load(worker)
+    said = [r.getMessage() for r in caplog.records if "refused for the next" in r.getMessage()]
+    assert len(said) == 1 and "crashed the worker 3 times on its own" in said[0], said
+    refused = serving.arrive(["poison"], {}, timeout=0.3)
+    assert refused.outcome == "results" and refused.ends[0][1][0].output == REFUSED_POISON
+    assert sent(serving) == [("poison",)] * 3  # refused, not run
 
 
 def test_a_crashed_batch_due_before_its_workers_restart_is_answered_beside_an_idle_worker(

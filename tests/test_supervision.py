@@ -86,26 +86,42 @@ def test_a_crash_while_alone_runs_it_alone_again_then_quarantines_it():
     assert not sup.is_poison("crash me", {"top_k": 2})  # other parameters: another input
 
 
-def test_crashes_alone_not_run_again_quarantine_an_input_at_the_third_as_run_again_ones_do():
-    """A lone input's crash not run again (nobody waits for it) counts as its run again's
-    crash would, but a first one is only remembered: as where it runs again, three
-    crashes quarantine it (a first alone, then two counted), and two outside kills never
-    do. It mixes with crashes of its runs again, and expires as they do."""
-    memory = PoisonMemory(clock=lambda: 0.0)
+def test_three_crashes_alone_quarantine_an_input_however_its_deadlines_fall():
+    """A first run's crash alone is remembered, not counted: where the input runs again,
+    its run again's crash is the first counted (two outside kills never make it poison);
+    where it is not run again (its deadline passed, its client left), the next send's
+    is. Three crashes alone quarantine it either way, and mixed (counted only where it
+    ran again, a poison input sent with short deadlines was never refused; the review
+    found one short and one long send quarantined at the fourth crash)."""
     key = PoisonMemory.key("crash me", {})
-    assert not memory.crashed_unrun(key) and key not in memory and len(memory) == 1
-    assert not memory.crashed_unrun(key) and key not in memory  # two: not proof
-    assert memory.crashed_unrun(key) and key in memory
-    mixed = PoisonMemory(clock=lambda: 0.0)
-    assert not mixed.crashed_unrun(key)
-    assert not mixed.crashed(key)  # a run again's crash: the first counted
-    assert mixed.crashed_unrun(key) and key in mixed
+    long, _ = supervisor()  # each run again, its deadline long
+    assert long.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
+    assert long.lost(Held(lone_key=key)) is LostBatch.RUN_AGAIN_ALONE
+    assert long.lost(Held(lone_key=key)) is LostBatch.QUARANTINED
+    short, _ = supervisor()  # none run again: each send's first run crashes
+    assert short.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
+    assert short.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
+    assert not short.is_poison("crash me", {})
+    assert short.lost(Held(first_key=key)) is LostBatch.QUARANTINED
+    assert short.is_poison("crash me", {}) and short.poison.times(key) == 3
+    mixed, _ = supervisor()  # one short send, then a long one
+    assert mixed.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
+    assert mixed.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
+    assert mixed.lost(Held(lone_key=key)) is LostBatch.QUARANTINED
+    streamed, _ = supervisor()  # tokens reached its client: it proves nothing, counts none
+    assert streamed.lost(Held(True, first_key=key)) is LostBatch.FAIL_MID_STREAM
+    assert len(streamed.poison) == 0
+
+
+def test_a_first_crash_alone_is_forgotten_with_the_memory():
     now = [0.0]
-    expiring = PoisonMemory(clock=lambda: now[0])
-    expiring.crashed_unrun(key)
+    memory = PoisonMemory(clock=lambda: now[0])
+    key = PoisonMemory.key("crash me", {})
+    assert not memory.crashed_first(key) and key not in memory and memory.times(key) == 1
     now[0] = supervision.QUARANTINE_SECONDS
-    assert not expiring.crashed_unrun(key)  # the first forgotten: this one is first again
-    assert not expiring.crashed_unrun(key) and key not in expiring
+    assert memory.times(key) == 0
+    assert not memory.crashed_first(key)  # the first again
+    assert not memory.crashed_first(key) and key not in memory and memory.left(key) == 1
 
 
 def test_a_hung_batch_runs_its_items_again_alone_and_a_lone_input_hung_twice_is_quarantined():

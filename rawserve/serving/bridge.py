@@ -32,6 +32,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -67,6 +68,10 @@ PUBLISH_SECONDS = 0.005
 FRONT_HEADROOM = 1 / 16
 STATUS_EVERY = 1  # board passes between two status checks
 DRAIN_LOOK_SECONDS = 0.05  # how often a drain looks whether every request is answered
+# an HTTP process that has said nothing this long (it says "alive" every half second) is
+# stopped or stuck: a drain does not wait for its "drained" (it held the drain for the
+# whole grace period, where it had nothing under way)
+DRAIN_SILENCE_SECONDS = 2.0
 COLLECT_SECONDS = 1.0  # how long a scrape waits for the HTTP processes' metrics
 # An HTTP process that dies leaves its counters as it last gave them: asked this often
 # besides the scrapes, what it counted after is lost for a second at most, not since the
@@ -101,6 +106,7 @@ class Peer:
     listening: asyncio.Event = field(default_factory=asyncio.Event)  # its socket is open
     silent_looks: int = 0  # the fleet's looks since it last said it is alive
     drained: bool = False  # told to drain, it answered every request it held
+    heard_at: float = field(default_factory=time.monotonic)  # when it last said "alive"
     families: list[Family] = field(default_factory=list)  # its metrics, as last given
 
 
@@ -220,13 +226,20 @@ class Bridge:
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout
         while any(
-            peer.runs or peer.streams or (peer.listening.is_set() and not peer.drained)
+            peer.runs or peer.streams or self._draining_still(peer, time.monotonic())
             for peer in self.peers.values()
         ):
             if loop.time() >= until:
                 return False
             await asyncio.sleep(DRAIN_LOOK_SECONDS)
         return True
+
+    @staticmethod
+    def _draining_still(peer: Peer, now: float) -> bool:
+        """Whether an HTTP process may still hold a request of its own (a body coming):
+        listening, it has not said "drained", and it still speaks."""
+        speaks = now - peer.heard_at < DRAIN_SILENCE_SECONDS
+        return peer.listening.is_set() and not peer.drained and speaks
 
     def drain(self, grace: float) -> None:
         """Tell every HTTP process to stop accepting and finish what it has."""
@@ -280,6 +293,7 @@ class Bridge:
                     done.set_result(None)
         elif kind == "alive":
             peer.silent_looks = 0
+            peer.heard_at = time.monotonic()
         elif kind == "drained":
             peer.drained = True
 

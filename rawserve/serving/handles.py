@@ -59,10 +59,8 @@ class Job:
     # worker died once): a second such death runs each alone
     together: bool = False
     # run again after its worker died: the items that worker ran as it died (0: none
-    # died running it, or it was stopped from outside, no input's doing); and whether
-    # that death counted toward its input's quarantine already
+    # died running it, or it was stopped from outside, no input's doing)
     died_with: int = 0
-    strike_counted: bool = False
     # told of each part answered before the whole batch is (`Assembly`)
     on_part: PartAnswered | None = None
     answered: bool = False

@@ -346,8 +346,6 @@ class WorkerPool(PoolReports):
         for retry in dropped:
             self._retries.remove(retry)
             not_run(retry)
-            if retry.died_with == 1 and not retry.strike_counted:
-                self._strike_unrun(retry)
         for worker in self.workers:
             for running in worker.running.forget(future, items):
                 self._cancel(worker, running)
@@ -366,20 +364,6 @@ class WorkerPool(PoolReports):
         """How many items the worker that died running the batch `future` (its retries
         wait) ran as it died; 0 where none did, or it was stopped from outside."""
         return max((r.died_with for r in self._retries if r.future is future), default=0)
-
-    def _strike_unrun(self, retry: Job) -> None:
-        """An input that crashed its worker running alone is not run again (nobody waits
-        for it: its deadline passed as it waited for its worker's restart, or was due
-        before it, or its client left): that crash counts toward its quarantine
-        (`PoisonMemory.crashed_unrun`: a first one is only remembered). Counted only
-        where it ran again, a poison input sent with deadlines shorter than a restart
-        took a worker down at every request and was never refused. (Its item was
-        counted as dropped already: no `poison` drop here.)"""
-        assert retry.poison_key is not None and retry.home is not None
-        if self.poison.crashed_unrun(retry.poison_key):  # (its first crash not counted)
-            self._say_quarantined(
-                self.workers[retry.home], retry, "crashed", self.poison.strikes + 1
-            )
 
     def _cancel(self, worker: WorkerHandle, job: Job) -> None:
         if job.cancelled or worker.conn is None:
@@ -993,8 +977,10 @@ class WorkerPool(PoolReports):
         behind = self._take_queued(worker)
         # (a worker stopped from outside was no input's doing: no strike toward quarantine)
         strikes = not worker.stopped
-        held = None if job is None else Held(job.streamed, job.poison_key if strikes else None)
         sequences = worker.running.take_all()  # a continuous worker ran them all at once
+        # what it ran as it died (one item alone: a crash that tells of that input)
+        died_with = len(sequences) + (len(job.inputs) if job else 0) if strikes else 0
+        held = None if job is None else held_by(job, died_with)
         was_healthy = self.supervisor.healthy
         decision = self.supervisor.exited(
             worker.index,
@@ -1004,8 +990,6 @@ class WorkerPool(PoolReports):
         )
         if was_healthy and not self.supervisor.healthy and not self._first_load_pending:
             self._say_unhealthy(worker)
-        # what it ran as it died (one item alone: a crash that tells of that input)
-        died_with = len(sequences) + (len(job.inputs) if job else 0) if strikes else 0
         if job is not None and decision.lost is not None:
             self._carry_out(worker, job, decision.lost, died_with)
         for lost in sequences:
@@ -1020,8 +1004,7 @@ class WorkerPool(PoolReports):
             elif worker.hung and not (lost.abandoned or lost.cancelled):
                 self._after_hang(worker, lost, len(sequences))
             else:
-                key = lost.poison_key if strikes else None
-                decided = self.supervisor.lost(Held(lost.streamed, key))
+                decided = self.supervisor.lost(held_by(lost, died_with))
                 self._carry_out(worker, lost, decided, died_with)
         if together:
             log.warning(
@@ -1083,7 +1066,9 @@ class WorkerPool(PoolReports):
         """Do what supervision decided for the batch a dead worker held as it died running
         `died_with` items; nothing for one nobody waits for any more (it is not run
         again)."""
-        if job.abandoned or job.cancelled:
+        if job.abandoned or job.cancelled:  # (its crash counted as it was decided)
+            if lost is LostBatch.QUARANTINED:
+                self._say_quarantined(worker, job, "crashed")
             not_run(job)
             return
         if lost is LostBatch.FAIL_MID_STREAM:
@@ -1093,31 +1078,33 @@ class WorkerPool(PoolReports):
         elif lost is LostBatch.RETRY_ALONE:
             self._retry_alone(job, home_of(worker), died_with=died_with)
         elif lost is LostBatch.RUN_AGAIN_ALONE:
+            assert job.poison_key is not None  # (it ran alone again)
+            times = self.poison.times(job.poison_key)
             log.warning(
-                "worker %s: an input running alone crashed the worker%s; running it alone "
-                "once more (quarantined after %d such crashes)",
+                "worker %s: an input running alone crashed the worker%s (%d times now); "
+                "running it alone once more (quarantined at %d)",
                 worker.label,
                 job_requests(job),
-                self.poison.strikes,
+                times,
+                times + self.poison.left(job.poison_key),
                 extra=request_named(job),
             )
-            again = replace(
-                job, watchdog=None, home=home_of(worker), died_with=died_with, strike_counted=True
+            self._retries.append(
+                replace(job, watchdog=None, home=home_of(worker), died_with=died_with)
             )
-            self._retries.append(again)
         else:
             self._say_quarantined(worker, job, "crashed")
             if self.metrics is not None:
                 self.metrics.drop("poison")
             job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
 
-    def _say_quarantined(self, worker: WorkerHandle, job: Job, how: str, times: int = 0) -> None:
+    def _say_quarantined(self, worker: WorkerHandle, job: Job, how: str) -> None:
         log.error(
             "worker %s: one input %s the worker %d times on its own%s; it is refused for "
             "the next %.0f s",
             worker.label,
             how,
-            times or self.poison.strikes,
+            self.poison.times(job.poison_key or PoisonMemory.key(job.inputs[0], job.params)),
             job_requests(job),
             self.poison.seconds,
             extra=request_named(job),
@@ -1214,6 +1201,20 @@ class WorkerPool(PoolReports):
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
+
+
+def held_by(job: Job, died_with: int) -> Held:
+    """A batch a worker died holding, as supervision weighs it: its poison key where it
+    was one item that worker ran alone (`died_with`: the items it ran as it died; 0 where
+    it was stopped from outside, no input's doing), as a run again after a crash or as a
+    first run (`Held.first_key`)."""
+    if died_with == 0:
+        return Held(job.streamed)
+    if job.poison_key is not None:
+        return Held(job.streamed, job.poison_key)
+    if died_with == 1:
+        return Held(job.streamed, first_key=PoisonMemory.key(job.inputs[0], job.params))
+    return Held(job.streamed)
 
 
 def home_of(worker: WorkerHandle) -> int | None:

@@ -84,6 +84,7 @@ NOT_COMPUTED = (
 class _Crashes:
     count: int  # crashes while running alone
     expires: float  # when they are forgotten
+    remembered: bool = False  # a first run's first crash alone came before them, uncounted
 
 
 class PoisonMemory:
@@ -115,26 +116,39 @@ class PoisonMemory:
         """Count a crash of this input running alone; True when it is now quarantined."""
         entry = self._entry(key)
         count = entry.count + 1 if entry is not None else 1
-        self._entries[key] = _Crashes(count, self.clock() + self.seconds)
+        remembered = entry is not None and entry.remembered
+        self._entries[key] = _Crashes(count, self.clock() + self.seconds, remembered)
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
         return count >= self.strikes
 
-    def crashed_unrun(self, key: str) -> bool:
-        """Count a crash of this input running alone that is not run again (nobody waits
-        for it any more); True when it is now quarantined. A first one is remembered,
-        not counted, as a lone input's first crash is not where it runs again (its run
-        again's crash is the first counted): two outside kills (the OOM killer) of one
-        input whose deadline is shorter than a restart made it poison; three crashes
-        quarantine it, however its deadlines fall."""
+    def crashed_first(self, key: str) -> bool:
+        """Count a crash of this input on its first run, alone (not run again after a
+        crash); True when it is now quarantined. The first such crash is remembered, not
+        counted: where it runs again, its run again's crash is the first counted (two
+        outside kills, the OOM killer's, never make an input poison), and where it is not
+        (its deadline passed, its client left), the next send's is. Counted only where it
+        ran again, a poison input sent with deadlines shorter than a restart took a
+        worker down at every request and was never refused; three crashes alone
+        quarantine an input now, however its deadlines fall."""
         if self._entry(key) is not None:
             return self.crashed(key)
-        self._entries[key] = _Crashes(0, self.clock() + self.seconds)
+        self._entries[key] = _Crashes(0, self.clock() + self.seconds, remembered=True)
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
         return False
+
+    def left(self, key: str) -> int:
+        """How many more crashes alone quarantine the input."""
+        entry = self._entry(key)
+        return self.strikes - (0 if entry is None else entry.count)
+
+    def times(self, key: str) -> int:
+        """How many times the input crashed a worker running alone, as remembered."""
+        entry = self._entry(key)
+        return 0 if entry is None else entry.count + entry.remembered
 
     def __contains__(self, key: str) -> bool:
         """Whether the input is quarantined (refused without being run)."""
@@ -195,6 +209,8 @@ class Held:
     streamed: bool = False  # tokens of it reached a client
     # its poison key when it was an item run alone (retried so; or, hung, any lone item)
     lone_key: str | None = None
+    # its poison key when it was one item alone on its first run (`crashed_first`)
+    first_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -278,6 +294,8 @@ class Supervisor:
         ran; a continuous worker's other batches are decided here, one by one)."""
         if held.streamed:
             return LostBatch.FAIL_MID_STREAM
+        if held.first_key is not None and self.poison.crashed_first(held.first_key):
+            return LostBatch.QUARANTINED
         if held.lone_key is None:
             return LostBatch.RETRY_ALONE
         if self.poison.crashed(held.lone_key):
