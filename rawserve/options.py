@@ -658,7 +658,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         try:
             parse_model_spec(text)
         except ModelNameError as exc:
-            parser.error(f"--model {text!r}: {exc}")
+            parser.error(f"--model {without_credentials(text)!r}: {exc}")  # (a URL's)
     if args.handler and models:
         parser.error("--handler serves its own callable: give no --model with it")
     if args.handler and args.download_only:

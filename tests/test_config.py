@@ -286,6 +286,12 @@ def test_pooling_is_read_in_sentence_transformers_words_and_tei_s(monkeypatch, g
         (["--pooling", "first"], {}, "--pooling must be one of cls, lasttoken, max, mean"),
         (["--pooling", "splade", *ECHO], {}, "--handler serves its own callable: --pooling"),
         (["--download-only", *ECHO], {}, "--download-only fetches a model: a --handler has"),
+        # a URL's credentials never echoed (the review)
+        (
+            ["--model", "https://user:secret@huggingface.co/org/st"],
+            {},
+            "--model 'https://<credentials>@huggingface.co/org/st': a URL is not a model id",
+        ),
         # an empty value (a variable that expanded to nothing) read as the option left out:
         # plain HTTP where TLS was meant, the default model where a handler was
         *[

@@ -218,7 +218,8 @@ def test_a_malformed_model_name_is_refused_with_a_reason(text):
     ("text", "says"),
     [
         ("https://huggingface.co/org/st", "name the Hub repo as 'org/st'"),
-        ("emb=http://hf.co/org/st/tree/main:feature-extraction", "as 'org/st'"),
+        ("emb=http://hf.co/org/st/tree/main:feature-extraction", "as 'org/st@main'"),
+        ("https://huggingface.co/org/st/tree/v1.0", "as 'org/st@v1.0'"),  # its revision kept
         ("HTTPS://huggingface.co/org/st/?library=transformers", "as 'org/st'"),
         ("https://hf.co/gpt2", "name the Hub repo as 'gpt2'"),
         ("https://huggingface.co/datasets/org/data", "name a Hub repo as 'org/name'"),

@@ -156,11 +156,17 @@ def test_a_generations_details_are_as_the_document_says(servers):
     Draft202012Validator(schema).validate(body)
     assert body["details"]["prefill"][0]["logprob"] is None
     assert set(body["details"]) == set(schema["properties"]["details"]["properties"])
-    # /invocations answers it in a list, as its own document says (it said /generate's)
+    # /invocations answers it in a list, as its own document says (it said /generate's),
+    # and a completion's body as a completion (the first fix said a list alone)
     invoked = document(server)["paths"]["/invocations"]["post"]["responses"]["200"]
+    answers = Draft202012Validator(invoked["content"]["application/json"]["schema"])
     status, body = server.post_json({"inputs": "hello there", "parameters": asked}, "/invocations")
     assert status == 200, body
-    Draft202012Validator(invoked["content"]["application/json"]["schema"]).validate(body)
+    answers.validate(body)
+    status, body = server.post_json({"prompt": "hi", "max_tokens": 2}, "/invocations")
+    assert status == 200 and body["object"] == "text_completion", body
+    answers.validate(body)
+    assert "text/event-stream" in invoked["content"]
 
 
 # --- Schemathesis ---------------------------------------------------------------------

@@ -108,13 +108,27 @@ def document_aliases(paths: dict[str, dict[str, Any]], models: ServedModels) -> 
 
 
 def listed_answer(operation: dict[str, Any]) -> dict[str, Any]:
-    """`operation` (/generate's) as `/invocations` answers it: its answer in a list
-    (`answered`)."""
+    """`operation` (/generate's) as `/invocations` answers a generation model's bodies:
+    one with `inputs` in a list (`answered`), or streamed (`"stream": true`), one with
+    `prompt` or `messages` as OpenAI's completions and chat completions answer it."""
     responses = dict(operation["responses"])
     answer = responses["200"]
     content = dict(answer["content"])
     whole = content["application/json"]
-    content["application/json"] = {**whole, "schema": {"type": "array", "items": whole["schema"]}}
+    openai = {
+        "type": "object",
+        "description": "a body with `prompt`: a completion; with `messages`: a chat "
+        "completion (as /v1/completions and /v1/chat/completions answer them)",
+    }
+    listed = {"type": "array", "items": whole["schema"]}
+    content["application/json"] = {**whole, "schema": {"oneOf": [listed, openai]}}
+    content["text/event-stream"] = {
+        "schema": {
+            "type": "string",
+            "description": "with `\"stream\": true`: /generate_stream's events (OpenAI's "
+            "chunks for `prompt` or `messages`)",
+        }
+    }
     responses["200"] = {**answer, "content": content}
     return {**operation, "responses": responses}
 

@@ -127,6 +127,8 @@ def not_a_url(url: str) -> str:
     host = (urlsplit(url).hostname or "").lower()
     if host in HUB_HOSTS and parts and parts[0] not in NOT_MODEL_PAGES:
         repo = "/".join(parts[:2])
+        if len(parts) > 3 and parts[2] in ("tree", "blob", "resolve"):  # a revision's page
+            repo += f"@{parts[3].split(':')[0]}"  # (a task given after it: not the revision's)
         return f"a URL is not a model id: name the Hub repo as {repo!r}"
     return (
         "a URL is not a model id: name a Hub repo as 'org/name' (HF_ENDPOINT "
