@@ -689,7 +689,7 @@ def test_a_lone_input_whose_request_ended_before_its_crash_still_counts_toward_q
     serving = loaded(max_batch_size=4)
     serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
     worker = serving.pool.workers[0]
-    caplog.set_level(logging.ERROR, "rawserve")
+    caplog.set_level(logging.WARNING, "rawserve")
     for backoff in (0.5, 1.0, 2.0):
         poison = serving.arrive(["poison"], {}, timeout=0.3)
         if ended == "deadline":
@@ -702,6 +702,9 @@ def test_a_lone_input_whose_request_ended_before_its_crash_still_counts_toward_q
         serving.load(worker)
     said = [r.getMessage() for r in caplog.records if "refused for the next" in r.getMessage()]
     assert len(said) == 1 and "crashed the worker 3 times on its own" in said[0], said
+    # the second said too, which no run again says where none runs (the last review)
+    counted = [r.getMessage() for r in caplog.records if "times now" in r.getMessage()]
+    assert len(counted) == 1 and "(2 times now; quarantined at 3)" in counted[0], counted
     refused = serving.arrive(["poison"], {}, timeout=0.3)
     assert refused.outcome == "results" and refused.ends[0][1][0].output == REFUSED_POISON
     assert sent(serving) == [("poison",)] * 3  # refused, not run
@@ -743,6 +746,28 @@ def test_a_crashed_batch_due_before_its_workers_restart_is_answered_beside_an_id
     assert worker is crashed and batch.inputs == ("c",)  # alone, where it crashed
     serving.answer(worker, conn, batch)
     assert patient.outcome == "results"
+
+
+def test_a_lone_crash_due_between_two_workers_restarts_is_answered_at_once(loaded):
+    """Two workers, the other one restarting, back soon; this one dies running an input
+    alone, its own restart later: the input waits for its own worker, and a deadline
+    between the two restarts was left to its 504 (the first was compared, the other
+    worker back and idle meanwhile: a review). It is answered at once, 500."""
+    serving = loaded(workers=2, max_batch_size=4)
+    serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    serving.pool.on_pinned = serving.scheduler.answer_pinned
+    first, other = serving.pool.workers
+    serving.load(other)
+    for backoff in (0.5, 1.0, 2.0):  # killed idle from outside: its backoff grows to 4 s
+        serving.crash(first)
+        serving.advance(backoff)
+        serving.load(first)
+    serving.crash(other)  # idle: back in 0.5 s and its start
+    poison = serving.arrive(["poison"], {}, timeout=2.5)
+    ((crashed, _, _),) = serving.answerable()
+    assert crashed is first
+    serving.crash(first)  # back in 4 s: past the deadline, the other long before it
+    assert poison.outcome is Reason.MODEL_FAILED  # (500, at once)
 
 
 def test_an_item_run_again_after_a_crash_is_not_stopped_as_its_batch_mate_ends(loaded):

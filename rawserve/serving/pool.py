@@ -1066,7 +1066,9 @@ class WorkerPool(PoolReports):
         """Do what supervision decided for the batch a dead worker held as it died running
         `died_with` items; nothing for one nobody waits for any more (it is not run
         again)."""
-        if job.abandoned or job.cancelled:  # (its crash counted as it was decided)
+        if died_with == 1 and job.poison_key is None and lost is not LostBatch.QUARANTINED:
+            self._say_counted(worker, job)  # (a first run's: counted as it was decided)
+        if job.abandoned or job.cancelled:
             if lost is LostBatch.QUARANTINED:
                 self._say_quarantined(worker, job, "crashed")
             not_run(job)
@@ -1097,6 +1099,22 @@ class WorkerPool(PoolReports):
             if self.metrics is not None:
                 self.metrics.drop("poison")
             job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+
+    def _say_counted(self, worker: WorkerHandle, job: Job) -> None:
+        """Say a first run's crash alone where it is not its input's first (that one is
+        remembered only): the count toward its quarantine, which no run again may say."""
+        key = PoisonMemory.key(job.inputs[0], job.params)
+        times = self.poison.times(key)
+        if times >= 2:
+            log.warning(
+                "worker %s: an input running alone crashed the worker%s (%d times now; "
+                "quarantined at %d)",
+                worker.label,
+                job_requests(job),
+                times,
+                times + self.poison.left(key),
+                extra=request_named(job),
+            )
 
     def _say_quarantined(self, worker: WorkerHandle, job: Job, how: str) -> None:
         log.error(
@@ -1181,13 +1199,15 @@ class WorkerPool(PoolReports):
         )
 
     def _tell_pinned(self, worker: WorkerHandle) -> None:
-        """While other workers serve, tell `on_pinned` which batches wait to run again on
-        the dead `worker` alone (on another, what killed it would take that one down
-        too) and when it should be back: those due before then waited for their 504s
-        while another worker sat idle."""
+        """Tell `on_pinned` which batches wait to run again on the dead `worker` alone
+        (on another, what killed it would take that one down too) and when it should be
+        back: those due before then waited for their 504s while another worker sat
+        idle, or came back first."""
         back = self.supervisor.back_at(worker.index)
-        if self.on_pinned is None or back is None or self.serving_again_at() is not None:
-            return  # (no worker serves: `_tell_down` said it for every request)
+        if self.on_pinned is None or back is None:
+            return
+        # (with no worker serving, `_tell_down` said when the first is back: those that
+        # wait for this one, back later, are told its own time)
         pinned = {retry.future for retry in self._retries if retry.home == worker.index}
         if pinned:
             self.on_pinned(pinned, back)
