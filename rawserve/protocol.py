@@ -949,6 +949,12 @@ class HttpProtocol(asyncio.Protocol):
         )
         return waiting + unsent_in_kernel(self.socket_transport or self.transport)
 
+    def refuse_unread(self) -> None:
+        """The server stops: a request whose body is still coming is answered 503 (and
+        the connection closes after it)."""
+        if self.phase is Phase.BODY:
+            self._fail(refusals.stopped_before_the_body())
+
     @property
     def reading_body(self) -> bool:
         """Its request's head is read and its body is still coming: it is answered once

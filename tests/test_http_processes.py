@@ -491,6 +491,26 @@ def test_a_drain_answers_the_requests_whose_bodies_are_still_coming(mid_body_ser
         server.stop()
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_body_that_never_comes_is_answered_503_at_the_end_of_the_drain(processes):
+    """A request whose body is still not in when the grace period ends is answered 503
+    (`Connection: close`), as the README says of what is left then: it was closed with
+    no answer at all."""
+    body = json.dumps({"inputs": "a body that never ends"}).encode()
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    with RunningServer([*SLEEPY, "--http-processes", processes, "--grace", "2"]) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as client:
+            client.sendall(head + body[:5])
+            time.sleep(0.5)  # its head read
+            server.signal(signal.SIGTERM)
+            answer = read_to_the_end(client)  # (the rest never sent)
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:80]
+        assert b"\r\nconnection: close\r\n" in answer.lower()
+        assert b"shutting down" in answer
+        assert server.process.wait(15) == 0
+
+
 def test_a_stopped_http_process_does_not_hold_the_drain_for_its_grace(stopped_http_server):
     """The drain waits for each HTTP process to say it has answered what it holds, but a
     stopped one (SIGSTOP) says nothing: one silent is not waited for (it held a drain with

@@ -1746,21 +1746,29 @@ async def test_a_client_reading_slowly_is_not_cut_off_while_it_takes_some_of_its
 def test_closing_every_connection_closes_those_taken_for_a_probe_past_the_cap_too():
     from rawserve.http.limits import ServerState
 
-    closed = []
+    closed, refused = [], []
 
     class Connection:
         cycle = None
         sending = False
 
+        def __init__(self, reading_body: bool = False) -> None:
+            self.reading_body = reading_body
+
+        def refuse_unread(self) -> None:
+            refused.append(self)
+
         def close(self) -> None:
             closed.append(self)
 
     state = ServerState()
-    seated, probe = Connection(), Connection()
-    state.connections.take(seated, 1, 0.0)
+    seated, probe, reading = Connection(), Connection(), Connection(reading_body=True)
+    state.connections.take(seated, 2, 0.0)
+    state.connections.take(reading, 2, 0.0)
     state.probe_connections.take(probe, 32, 0.0)
     state.close_all()
-    assert closed == [seated, probe]
+    assert set(closed) == {seated, reading, probe} and closed[-1] is probe
+    assert refused == [reading]  # its body still coming: answered 503 first
 
 
 async def test_a_released_flow_lets_writers_on_and_can_pause_again():

@@ -113,6 +113,10 @@ class OpenConnection(Protocol):
 
     def close(self) -> None: ...
 
+    def refuse_unread(self) -> None:
+        """Answer a request whose body is still coming 503 and close (the server stops)."""
+        ...
+
     def reset(self) -> None:
         """Close at once with a reset, whatever waits to be read or written."""
         ...
@@ -284,5 +288,10 @@ class ServerState:
         return any(connection.reading_body for connection in self.connections)
 
     def close_all(self) -> None:
+        """Close every connection; one whose request's body is still coming is answered
+        503 first (closed, its client got nothing, where the README says what is left
+        at the end of a drain gets 503)."""
         for connection in [*self.connections, *self.probe_connections]:
+            if connection.reading_body:
+                connection.refuse_unread()
             connection.close()

@@ -156,5 +156,9 @@ def too_many_connections() -> ServiceUnavailable:
     return ServiceUnavailable("too many open connections", retry_after=1)
 
 
+def stopped_before_the_body() -> ServiceUnavailable:
+    return ServiceUnavailable("server shutting down: the request's body did not come in time")
+
+
 def too_slow(part: str) -> RequestTimeout:
     return RequestTimeout(f"the request {part} was not received in time")
