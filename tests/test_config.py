@@ -33,7 +33,6 @@ from rawserve.models.folder import FolderFacts
 from rawserve.models.plan import ModelPlan
 from rawserve.ops.stop_signals import stop_signals
 from rawserve.options import OPTIONS, device_unservable, parse_config
-from rawserve.shared import installed
 from rawserve.shared.messages import Engine
 from tests.server import REPO_ROOT, RunningServer, ipv6_loopback
 
@@ -340,33 +339,36 @@ def test_an_apple_gpu_off_macos_is_refused_before_the_server_listens(monkeypatch
     assert "macOS only" in (device_unservable(("mps",), "2.13.0") or "")
 
 
-def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line():
-    if not (installed.version("torch") or "").endswith("+cpu"):
-        pytest.skip("torch here is not a CPU build: it may have a GPU to serve")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    started = subprocess.run(
-        [sys.executable, "-m", "rawserve", "--device", "cuda:7", "--port", str(port)],
+# rawserve in a process of its own whose torch reads as a CPU build, whatever is installed
+AS_CPU_TORCH = (
+    "import sys; from rawserve.shared import installed; found = installed.version; "
+    "installed.version = lambda name: '2.13.0+cpu' if name == 'torch' else found(name); "
+    "from rawserve.main import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def started_with_a_cpu_torch(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", AS_CPU_TORCH, *argv],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=REPO_ROOT,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
+
+
+def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = started_with_a_cpu_torch("--device", "cuda:7", "--port", str(port))
     assert started.returncode == 1
     [line] = [line for line in started.stderr.splitlines() if "ERROR" in line]
     assert "--device cuda:7: torch" in line and "is a build without CUDA" in line
     assert "listening" not in started.stderr
     # a download fills a cache for a GPU machine from one without (the README's way)
-    downloaded = subprocess.run(
-        [sys.executable, "-m", "rawserve", "--download-only", "--device", "cuda:7"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO_ROOT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    downloaded = started_with_a_cpu_torch("--download-only", "--device", "cuda:7")
     assert downloaded.returncode == 0, downloaded.stderr[-2000:]
 
 

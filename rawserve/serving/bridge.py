@@ -225,21 +225,26 @@ class Bridge:
         the HTTP processes were closed under it)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout
-        while any(
-            peer.runs or peer.streams or self._draining_still(peer, time.monotonic())
-            for peer in self.peers.values()
-        ):
+        while self._any_under_way(time.monotonic()):
             if loop.time() >= until:
                 return False
             await asyncio.sleep(DRAIN_LOOK_SECONDS)
         return True
 
-    @staticmethod
-    def _draining_still(peer: Peer, now: float) -> bool:
-        """Whether an HTTP process may still hold a request of its own (a body coming):
-        listening, it has not said "drained", and it still speaks."""
-        speaks = now - peer.heard_at < DRAIN_SILENCE_SECONDS
-        return peer.listening.is_set() and not peer.drained and speaks
+    def _any_under_way(self, now: float) -> bool:
+        """Whether an HTTP process has a request under way: one handed here, or one of
+        its own (a body coming) where it listens, has not said "drained", and still
+        speaks."""
+        return any(
+            peer.runs
+            or peer.streams
+            or (
+                peer.listening.is_set()
+                and not peer.drained
+                and now - peer.heard_at < DRAIN_SILENCE_SECONDS
+            )
+            for peer in self.peers.values()
+        )
 
     def drain(self, grace: float) -> None:
         """Tell every HTTP process to stop accepting and finish what it has."""

@@ -420,24 +420,28 @@ class Scheduler:
         at another replica) would be answered. A run whose answer has come meanwhile (its
         batch answered as the worker died: an input of it quarantined, say) gets that."""
         self._down = True
-        due = [run_id for run_id, at in self._late.late_at.items() if at < serving_again_at]
-        retry_after = _restart_wait(serving_again_at, self.clock())
-        for run_id in due:
-            self._answer_not_back(run_id, retry_after)
+        self._answer_due_before(serving_again_at)
 
     def answer_pinned(
         self, batches: Collection[asyncio.Future[BatchResult]], back_at: float
     ) -> None:
-        """A worker died while others serve, and the items of `batches` wait to run again
-        on it alone, once it is back at `back_at` (on another, what killed it would take
-        that one down too): each run of them due before then is answered now, as
-        `answer_unreachable` answers it (500 for a request its worker ran alone, else
-        503 with the wait), not left to its 504 while another worker idles."""
+        """A worker died, and the items of `batches` wait to run again on it alone, once
+        it is back at `back_at` (on another, what killed it would take that one down
+        too): each run of them due before then is answered now, as `answer_unreachable`
+        answers it (500 for a request its worker ran alone, else 503 with the wait), not
+        left to its 504 while another worker idles or comes back first."""
+        self._answer_due_before(back_at, batches)
+
+    def _answer_due_before(
+        self, back_at: float, batches: Collection[asyncio.Future[BatchResult]] | None = None
+    ) -> None:
+        """Answer each run due before `back_at` that still waits for a worker (of those
+        with an item in `batches` alone, where given)."""
         due = [run_id for run_id, at in self._late.late_at.items() if at < back_at]
         retry_after = _restart_wait(back_at, self.clock())
         for run_id in due:
             items = self._runs.get(run_id, ())
-            if any(item.batch in batches for item in items if _waits(item)):
+            if batches is None or any(item.batch in batches for item in items if _waits(item)):
                 self._answer_not_back(run_id, retry_after)
 
     def _answer_not_back(self, run_id: int, retry_after: float | None) -> None:
@@ -463,11 +467,11 @@ class Scheduler:
         worker ran as it died: by now the others' batches may be answered (a stream's
         error), and that one looked alone. Of a batch run again an item at a time,
         those still waiting count: the others' runs again have answered them."""
-        sent = self._sent.get(item.batch, ()) if item.batch is not None else ()
-        waiting = [member for member in sent if _waits(member)]
+        if item.batch is None:
+            return False
+        waiting = [member for member in self._sent.get(item.batch, ()) if _waits(member)]
         if not waiting or any(member.request != item.request for member in waiting):
             return False
-        assert item.batch is not None
         return self.backend.died_with(item.batch) == len(waiting)
 
     def _refuse_unreachable(self, deadline: float, items: int, now: float) -> None:

@@ -164,9 +164,9 @@ class WorkerPool(PoolReports):
         # told, when a death leaves no worker serving, when one should serve again (the
         # scheduler answers at once the requests due before then)
         self.on_down: Callable[[float], None] | None = None
-        # told, when a worker dies while others serve, of the batches whose items wait to
-        # run again on it alone and when it should be back (those the restart would
-        # outlast are answered at once)
+        # told, when a worker dies, of the batches whose items wait to run again on it
+        # alone and when it should be back (those the restart would outlast are answered
+        # at once)
         self.on_pinned: Callable[[Collection[asyncio.Future[BatchResult]], float], None] | None
         self.on_pinned = None
         self.metrics = metrics

@@ -116,11 +116,7 @@ class PoisonMemory:
         """Count a crash of this input running alone; True when it is now quarantined."""
         entry = self._entry(key)
         count = entry.count + 1 if entry is not None else 1
-        remembered = entry is not None and entry.remembered
-        self._entries[key] = _Crashes(count, self.clock() + self.seconds, remembered)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        self._keep(key, count, remembered=entry is not None and entry.remembered)
         return count >= self.strikes
 
     def crashed_first(self, key: str) -> bool:
@@ -134,11 +130,16 @@ class PoisonMemory:
         quarantine an input now, however its deadlines fall."""
         if self._entry(key) is not None:
             return self.crashed(key)
-        self._entries[key] = _Crashes(0, self.clock() + self.seconds, remembered=True)
+        self._keep(key, 0, remembered=True)
+        return False
+
+    def _keep(self, key: str, count: int, *, remembered: bool) -> None:
+        """Remember the input's crashes from now on, the least recently seen dropped past
+        `size`."""
+        self._entries[key] = _Crashes(count, self.clock() + self.seconds, remembered)
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
-        return False
 
     def left(self, key: str) -> int:
         """How many more crashes alone quarantine the input."""
