@@ -49,6 +49,7 @@ from rawserve.serving.supervision import (
     REFUSED_POISON,
     STOPPED_MID_STREAM,
     TIMED_OUT,
+    PoisonMemory,
 )
 from rawserve.shared.messages import (
     NO_CONTROL,
@@ -708,6 +709,53 @@ def test_a_lone_input_whose_request_ended_before_its_crash_still_counts_toward_q
     refused = serving.arrive(["poison"], {}, timeout=0.3)
     assert refused.outcome == "results" and refused.ends[0][1][0].output == REFUSED_POISON
     assert sent(serving) == [("poison",)] * 3  # refused, not run
+
+
+def test_an_input_of_a_crashed_batch_not_run_again_runs_alone_when_it_comes_again(loaded):
+    """The inputs of a batch of several that crashed its worker, not run again alone
+    (nobody waited for them any more), run alone when they come again, each ahead of the
+    queue: a crash of one then counts toward its quarantine (three crashes in all), and
+    one answered alone is batched again after. Batched beside others every time, a poison
+    input sent with deadlines shorter than a restart took a worker down at every batch and
+    was never refused (a list of it and another input: 5 sends, 5 deaths)."""
+    serving = loaded(max_batch_size=4)
+    serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    worker = serving.pool.workers[0]
+
+    def crash_batched(mate: str) -> None:
+        serving.arrive(["busy"], {}, timeout=8.0)
+        serving.arrive([mate, "poison"], {}, timeout=0.3)
+        serving.answer(*serving.answerable()[0])  # "busy": the worker takes the next
+        serving.crash(worker)
+        serving.advance(2.5)  # deadlines passed, the backoff over
+        serving.load(worker)
+
+    crash_batched("mate")
+    assert sent(serving)[-1] == ("mate", "poison")
+    # as they come again (beside a newcomer): each alone, the newcomer in a batch
+    request = serving.arrive(["new", "mate", "poison"], {}, timeout=0.3)
+    assert sent(serving)[-1] == ("new",)
+    serving.answer(*serving.answerable()[0])
+    assert sent(serving)[-1] == ("mate",)
+    serving.answer(*serving.answerable()[0])
+    assert sent(serving)[-1] == ("poison",)
+    serving.crash(worker)  # its first crash alone: it counts (the batch's came first)
+    assert request.ends and serving.pool.poison.times(PoisonMemory.key("poison", {})) == 1
+    serving.advance(2.5)
+    serving.load(worker)
+    # the mate answered alone is a suspect no more: batched again; the poison alone
+    serving.arrive(["mate", "poison"], {}, timeout=0.3)
+    assert sent(serving)[-1] == ("mate",)
+    serving.answer(*serving.answerable()[0])
+    assert sent(serving)[-1] == ("poison",)
+    serving.crash(worker)  # its second alone: quarantined
+    serving.advance(5.0)
+    serving.load(worker)
+    refused = serving.arrive(["other", "poison"], {}, timeout=0.3)
+    assert sent(serving)[-1] == ("other",)
+    serving.answer(*serving.answerable()[0])
+    assert refused.outcome == "results"
+    assert [end.output for end in refused.ends[0][1]] == [("out", "other"), REFUSED_POISON]
 
 
 def test_a_crashed_batch_due_before_its_workers_restart_is_answered_beside_an_idle_worker(

@@ -283,38 +283,47 @@ class WorkerPool(PoolReports):
         if not worker.room():
             raise Refused.because(Reason.NO_WORKER, "no model worker is free")
         future = self._running_loop.create_future()
-        batch_id = next(self._batch_ids)
-        refused = [self.supervisor.is_poison(value, params) for value in inputs]
         whole = Job(
             tuple(inputs),
             params,
             control,
             future,
-            batch_id,
+            next(self._batch_ids),
             request_ids=tuple(request_ids),
             admitted=tuple(admitted),
             on_part=on_part,
         )
-        if not any(refused):
+        keys = self.supervisor.remembered(inputs, params)
+        if not any(keys):  # (the common case: no input of it crashed a worker before)
             self._send(worker, whole)
             return future
-        named = zip(request_ids, refused, strict=False)  # (a batch may name no requests)
-        refused_ids = [request for request, bad in named if bad]
-        log.warning(
-            "refused %d input(s) that crashed or hung a worker before%s",
-            sum(refused),
-            requests_named(refused_ids),
-            extra=request_field(refused_ids),
-        )
-        if self.metrics is not None:
-            self.metrics.drop("poison", sum(refused))
-        if all(refused):
-            future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
-            return future
-        whole.answer_unrun([i for i, bad in enumerate(refused) if bad], REFUSED_POISON)
-        unrefused = [i for i, bad in enumerate(refused) if not bad]
-        self._send(worker, whole.part(unrefused, next(self._batch_ids)))
+        refused = [i for i, key in enumerate(keys) if key is not None and key in self.poison]
+        if refused:
+            self._refuse_poison(whole, refused)
+        alone = [i for i, key in enumerate(keys) if key is not None and i not in refused]
+        rest = [i for i, key in enumerate(keys) if key is None]
+        if rest:
+            self._send(worker, whole.part(rest, next(self._batch_ids)))
+        if alone:
+            self._run_alone(whole, alone, keys)
         return future
+
+    def _refuse_poison(self, job: Job, refused: list[int]) -> None:
+        """Answer the inputs of `job` at `refused`, quarantined, without running them."""
+        say_of(job, refused, "refused %d input(s) that crashed or hung a worker before%s")
+        if self.metrics is not None:
+            self.metrics.drop("poison", len(refused))
+        job.answer_unrun(refused, REFUSED_POISON)
+
+    def _run_alone(self, job: Job, alone: list[int], keys: list[str | None]) -> None:
+        """Run each input of `job` at `alone`, remembered but not quarantined, alone (as a
+        retry after a crash is, ahead of the queue, on any idle worker): a crash of it
+        then counts toward its quarantine; one answered clears a mere suspect."""
+        said = "running %d input(s) alone%s: each crashed a worker before, alone or in a batch"
+        say_of(job, alone, said)
+        for index in alone:
+            self._retries.append(job.part([index], next(self._batch_ids), keys[index]))
+        self._send_retries()
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
         """A new stream id; give it in a batch's `Control` to get its tokens as they come."""
@@ -345,6 +354,7 @@ class WorkerPool(PoolReports):
         dropped = [retry for retry in self._retries if retry.forget(future, items)]
         for retry in dropped:
             self._retries.remove(retry)
+            self._suspect(retry, range(len(retry.inputs)), retry.died_with)
             not_run(retry)
         for worker in self.workers:
             for running in worker.running.forget(future, items):
@@ -532,10 +542,7 @@ class WorkerPool(PoolReports):
 
     def _pump(self) -> None:
         """Give free workers the retries first, then tell the scheduler who is free."""
-        while (found := self._next_retry()) is not None:
-            worker, retry = found
-            self._retries.remove(retry)
-            self._send(worker, retry)
+        self._send_retries()
         if self.idle_workers():
             self._notify_idle()
 
@@ -600,6 +607,12 @@ class WorkerPool(PoolReports):
                 job.answer(error=error)
         return job
 
+    def _send_retries(self) -> None:
+        while (found := self._next_retry()) is not None:
+            worker, retry = found
+            self._retries.remove(retry)
+            self._send(worker, retry)
+
     def _next_retry(self) -> tuple[WorkerHandle, Job] | None:
         """A worker and the first retry it may run now (its own, or anyone's): on an idle
         worker, or (run together) beside a continuous worker's other sequences."""
@@ -626,11 +639,20 @@ class WorkerPool(PoolReports):
         (`home` None). `died_with`: the items its worker ran as it died."""
         for index, value in enumerate(job.inputs):
             if index in job.gone:
+                self._suspect(job, [index], died_with)
                 job.answer_unrun([index], NOT_RUN)
             else:
                 key = PoisonMemory.key(value, job.params)
                 retry = job.part([index], next(self._batch_ids), key, rerun=True)
                 self._retries.append(replace(retry, home=home, died_with=died_with))
+
+    def _suspect(self, job: Job, indices: Iterable[int], died_with: int) -> None:
+        """The inputs of `job` at `indices` are not run again after their worker died
+        running `died_with` items: where it ran several, any may have crashed it, and each
+        runs alone when it comes again (`PoisonMemory.suspect`)."""
+        if died_with > 1:
+            for index in indices:
+                self.poison.suspect(PoisonMemory.key(job.inputs[index], job.params))
 
     def _run_again_whole(self, job: Job) -> None:
         """A batch a dead worker held behind the one it ran never started: it runs again
@@ -962,6 +984,8 @@ class WorkerPool(PoolReports):
             )
             worker.batch_cap = result.effective_batch_cap
         job.answer(replace(result, waited=job.waited) if job.waited else result)
+        if job.poison_key is not None:  # (it ran alone, and did not crash its worker)
+            self.poison.cleared(job.poison_key)
         if not self._closing:
             self._pump()
 
@@ -1066,11 +1090,15 @@ class WorkerPool(PoolReports):
         """Do what supervision decided for the batch a dead worker held as it died running
         `died_with` items; nothing for one nobody waits for any more (it is not run
         again)."""
-        if died_with == 1 and job.poison_key is None and lost is not LostBatch.QUARANTINED:
-            self._say_counted(worker, job)  # (a first run's: counted as it was decided)
-        if job.abandoned or job.cancelled:
+        ended = job.abandoned or job.cancelled  # (not run again)
+        said_later = job.poison_key is not None and not ended  # (run again, it says so)
+        if died_with == 1 and not said_later and lost is not LostBatch.QUARANTINED:
+            self._say_counted(worker, job)  # (counted as it was decided)
+        if ended:
             if lost is LostBatch.QUARANTINED:
                 self._say_quarantined(worker, job, "crashed")
+            elif lost is LostBatch.RETRY_ALONE:
+                self._suspect(job, range(len(job.inputs)), died_with)
             not_run(job)
             return
         if lost is LostBatch.FAIL_MID_STREAM:
@@ -1091,9 +1119,9 @@ class WorkerPool(PoolReports):
                 times + self.poison.left(job.poison_key),
                 extra=request_named(job),
             )
-            self._retries.append(
-                replace(job, watchdog=None, home=home_of(worker), died_with=died_with)
-            )
+            home = home_of(worker)
+            again = replace(job, watchdog=None, rerun=True, home=home, died_with=died_with)
+            self._retries.append(again)
         else:
             self._say_quarantined(worker, job, "crashed")
             if self.metrics is not None:
@@ -1101,11 +1129,11 @@ class WorkerPool(PoolReports):
             job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
 
     def _say_counted(self, worker: WorkerHandle, job: Job) -> None:
-        """Say a first run's crash alone where it is not its input's first (that one is
+        """Say a crash alone not run again, where it counted (a first run's first one is
         remembered only): the count toward its quarantine, which no run again may say."""
         key = PoisonMemory.key(job.inputs[0], job.params)
         times = self.poison.times(key)
-        if times >= 2:
+        if self.poison.left(key) < self.poison.strikes:
             log.warning(
                 "worker %s: an input running alone crashed the worker%s (%d times now; "
                 "quarantined at %d)",
@@ -1235,6 +1263,13 @@ def held_by(job: Job, died_with: int) -> Held:
     if died_with == 1:
         return Held(job.streamed, first_key=PoisonMemory.key(job.inputs[0], job.params))
     return Held(job.streamed)
+
+
+def say_of(job: Job, indices: list[int], said: str) -> None:
+    """Warn `said` of the inputs of `job` at `indices`: how many (its %d), and their
+    requests (its %s)."""
+    named = [job.request_ids[i] for i in indices if job.request_ids]
+    log.warning(said, len(indices), requests_named(named), extra=request_field(named))
 
 
 def home_of(worker: WorkerHandle) -> int | None:

@@ -10,7 +10,8 @@ A crash proves nothing about an input (an operator's `kill -9` and the OOM kille
 alike), so crashes are counted, not guessed at: the items of a batch whose worker died
 are retried one by one, and an input that took a worker down while running alone
 `QUARANTINE_STRIKES` times is answered with a failure and quarantined (by content hash,
-for `QUARANTINE_SECONDS`): refused without being run.
+for `QUARANTINE_SECONDS`): refused without being run. An input remembered, but not
+quarantined, runs alone whenever it comes again, so that its next crash is counted.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class _Crashes:
     count: int  # crashes while running alone
     expires: float  # when they are forgotten
     remembered: bool = False  # a first run's first crash alone came before them, uncounted
+    # (count 0, not remembered: a suspect, in a batch of several that crashed, not run again)
 
 
 class PoisonMemory:
@@ -132,6 +134,25 @@ class PoisonMemory:
             return self.crashed(key)
         self._keep(key, 0, remembered=True)
         return False
+
+    def suspect(self, key: str) -> None:
+        """Remember an input of a batch of several that crashed its worker, not run again
+        alone (nobody waited for it any more): it runs alone when it comes again, where
+        its crash counts as a crash alone after a first one (`crashed_first`). Run in
+        batches and never alone, a poison input sent with deadlines shorter than a
+        restart took a worker down at every batch and was never counted."""
+        if self._entry(key) is None:
+            self._keep(key, 0, remembered=False)
+
+    def cleared(self, key: str) -> None:
+        """The input ran alone and was answered: a suspect only, it is one no more."""
+        entry = self._entry(key)
+        if entry is not None and not entry.count and not entry.remembered:
+            del self._entries[key]
+
+    def holds(self, key: str) -> bool:
+        """Whether the input is remembered at all: quarantined, crashed or a suspect."""
+        return self._entry(key) is not None
 
     def _keep(self, key: str, count: int, *, remembered: bool) -> None:
         """Remember the input's crashes from now on, the least recently seen dropped past
@@ -317,9 +338,17 @@ class Supervisor:
         return LostBatch.FAIL
 
     def is_poison(self, value: Any, params: Mapping[str, Any]) -> bool:
-        """Whether an input is quarantined. Hashing every input costs more than the rest
-        of a submit: it is skipped while no input has crashed a worker yet."""
+        """Whether an input is quarantined (refused without being run)."""
         return bool(self.poison) and PoisonMemory.key(value, params) in self.poison
+
+    def remembered(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> list[str | None]:
+        """Each input's poison key where the memory holds it (quarantined, or to run
+        alone), else None. Hashing every input costs more than the rest of a submit: it is
+        skipped while no input has crashed a worker yet."""
+        if not self.poison:
+            return [None] * len(inputs)
+        keys = (PoisonMemory.key(value, params) for value in inputs)
+        return [key if self.poison.holds(key) else None for key in keys]
 
     @property
     def healthy(self) -> bool:
