@@ -220,14 +220,20 @@ def test_the_feeder_says_when_the_server_no_longer_wants_the_batch_running():
 
 def test_a_feeder_that_times_nothing_keeps_nothing():
     """The continuous generation loop takes batches and cancels and never asks when a
-    batch arrived: a record per batch would pile up for the worker's whole life."""
+    batch arrived, nor whether one is cancelled: a record per batch, or per cancel (a
+    busy loop drains, and nothing trimmed them), would pile up for the worker's life."""
     receiving, sending = Pipe(duplex=False)
     feeder = Feeder(receiving).start()
     for batch_id in range(50):
         sending.send(Batch(batch_id, ("a",)))
-    for _ in range(50):
-        feeder.next()
-    assert feeder._received == {}
+        sending.send(Cancel(batch_id))
+    taken: list[object] = []
+    given_up = time.monotonic() + 10
+    while len(taken) < 100 and time.monotonic() < given_up:  # as a busy continuous loop
+        taken += feeder.drain()
+        time.sleep(0.001)
+    assert taken[-1] == Cancel(49)
+    assert feeder._received == {} and feeder._cancelled == set()
 
 
 def _run_out_of_memory() -> None:

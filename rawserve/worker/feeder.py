@@ -53,9 +53,10 @@ class Received:
 
 class Feeder:
     """Reads `batches` on a thread of its own; `next()` gives the messages in order, and
-    `drain()` all those already here. With `timed`, `received(batch_id)` tells when a
-    batch arrived (each batch's record is kept until it is asked for: the one-batch-at-a-
-    time loop asks for all). With `prepare`, each batch is passed to it on a second
+    `drain()` all those already here. With `timed` (the one-batch-at-a-time loop),
+    `received(batch_id)` tells when a batch arrived (each batch's record is kept until it
+    is asked for: that loop asks for all), and `running_cancelled()` whether the server
+    still wants the batch running. With `prepare`, each batch is passed to it on a second
     thread before the model thread gets it, and `received` also gives what it made."""
 
     def __init__(
@@ -145,7 +146,9 @@ class Feeder:
                 return
             if self._timed and isinstance(message, Batch):
                 self._received[message.batch_id] = Received(time.perf_counter())
-            if isinstance(message, Cancel):
+            # (the continuous loop reads its cancels as messages and never asks: a set of
+            # them, trimmed only by `next()`, grew for as long as it stayed busy)
+            if self._timed and isinstance(message, Cancel):
                 with self._cancel_lock:
                     self._cancelled.add(message.batch_id)
             self._messages_read += 1
