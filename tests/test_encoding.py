@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import datetime
+import decimal
 import json
 
 import numpy as np
@@ -102,8 +105,40 @@ def test_a_big_integer_beside_arrays_keeps_the_arrays_encoding():
 
 
 def test_what_json_cannot_hold_is_refused():
-    with pytest.raises(TypeError):
-        encoding.dumps(object())
+    for value in (object(), b"bytes", memoryview(b"ab"), 1j):
+        with pytest.raises(TypeError):
+            encoding.dumps(value)
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize(
+    ("value", "written"),
+    [
+        (decimal.Decimal("2.50"), b"2.50"),
+        (decimal.Decimal("-1E+3"), b"-1E+3"),
+        (decimal.Decimal(2**80), b"1208925819614629174706176"),
+        ([decimal.Decimal("nan"), decimal.Decimal("-inf")], b"[null,null]"),
+        (collections.deque([1, Point(2, 3)]), b"[1,[2,3]]"),
+        (
+            {"ids": {7}, "frozen": frozenset(), "range": range(2)},
+            b'{"ids":[7],"frozen":[],"range":[0,1]}',
+        ),
+        (collections.ChainMap({"a": collections.UserList(["b"])}), b'{"a":["b"]}'),
+        (collections.UserString("text"), b'"text"'),
+        (datetime.timedelta(minutes=1, microseconds=500), b"60.0005"),
+    ],
+    ids=repr,
+)
+def test_a_handler_s_standard_library_values_are_written_as_python_s_json_writes_them(
+    value, written
+):
+    """A handler answering a Decimal, a deque, a namedtuple or a timedelta failed its
+    request with 500, where the worker let them through as plain data (the standard
+    library's): written as Python's json module and FastAPI write them."""
+    assert encoding.dumps(value) == written
+    json.loads(written)
 
 
 @pytest.mark.parametrize(

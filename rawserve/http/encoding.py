@@ -11,6 +11,10 @@ NaN and infinity, which JSON has no words for, are written as null.
 
 from __future__ import annotations
 
+from collections import UserString
+from collections.abc import Mapping, Sequence, Set
+from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -20,7 +24,11 @@ OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
 def _default(value: Any) -> Any:
-    """What orjson does not write itself: strided arrays and other numpy types."""
+    """What orjson does not write itself: strided arrays and other numpy types, and the
+    standard library's values a handler may answer with (a handler's `Decimal`, `deque`,
+    namedtuple or `timedelta` failed its request with 500) as Python's json module and
+    FastAPI write them: a Decimal as the number it is, collections as lists or objects,
+    a timedelta as its seconds. Bytes and complex numbers have no JSON form."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind in "fiub" and not value.flags.c_contiguous:
             return np.ascontiguousarray(value)
@@ -29,6 +37,16 @@ def _default(value: Any) -> Any:
         return float(value)
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, Decimal):  # (not infinite nor NaN: null, as a float's)
+        return orjson.Fragment(str(value).encode()) if value.is_finite() else None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, UserString):
+        return str(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, Set | Sequence) and not isinstance(value, bytes | bytearray | memoryview):
+        return list(value)
     raise TypeError(f"cannot encode {type(value).__name__} as JSON")
 
 

@@ -30,7 +30,7 @@ log = logging.getLogger("rawserve.worker")
 
 # Packages whose objects a handler's answer may hold as they are: the server unpickles
 # them without loading anything it does not load already (or a module of the standard
-# library), and its JSON encoder writes them.
+# library), and its JSON encoder writes them (`rawserve.http.encoding`).
 SENT_AS_THEY_ARE = frozenset(
     {"builtins", "copyreg", "rawserve", "numpy", "datetime", "uuid", "decimal", "collections"}
 )
