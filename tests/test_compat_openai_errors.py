@@ -24,6 +24,7 @@ from rawserve.http.errors import (
     NotFound,
     ServiceUnavailable,
     Unauthorized,
+    UnprocessableInput,
     openai_error_document,
     openai_error_response,
 )
@@ -182,7 +183,7 @@ async def test_an_unexpected_failure_on_v1_is_a_bare_500_in_openais_shape(caplog
 @pytest.mark.parametrize(
     ("error", "tgi_type"),
     [
-        (http_error(Refusal(Reason.INPUT_REJECTED, "a prompt too long")), "validation"),
+        (UnprocessableInput("a prompt too long"), "validation"),
         (http_error(Refusal(Reason.QUEUE_FULL, "server busy: queue full", 1.0)), "overloaded"),
         (Unauthorized("no key"), "unauthorized"),
         (InternalError("boom"), "generation"),  # TGI's clients raise GenerationError

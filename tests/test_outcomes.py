@@ -28,7 +28,7 @@ from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, 
         (Reason.LOADING, 503),
         (Reason.SHUTTING_DOWN, 503),
         (Reason.DEADLINE_PASSED, 504),
-        (Reason.INPUT_REJECTED, 422),
+        (Reason.OUT_OF_MEMORY, 503),
         (Reason.MODEL_FAILED, 500),
     ],
 )

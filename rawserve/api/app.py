@@ -125,7 +125,7 @@ class App:
         return self.gate.draining
 
     def start_draining(self) -> None:
-        """From now on /ready and new inference requests get 503 (SIGTERM/SIGINT)."""
+        """From now on /ready and new inference requests get 503 (SIGTERM, SIGINT, SIGHUP)."""
         self.gate.start_draining()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:

@@ -10,7 +10,7 @@ from rawserve.serving.face import LOADING_RETRY_AFTER, LoadState, Reason, Refusa
 
 class Gate:
     def __init__(self) -> None:
-        self.draining = False  # set once, on SIGTERM/SIGINT
+        self.draining = False  # set once, on SIGTERM, SIGINT or SIGHUP
 
     def start_draining(self) -> None:
         self.draining = True

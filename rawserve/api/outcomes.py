@@ -40,11 +40,10 @@ def http_error(refusal: Refusal, longest_deadline: float | None = None) -> HTTPE
         return PayloadTooLarge(refusal.message)
     if reason is Reason.DEADLINE_PASSED:
         return GatewayTimeout(f"{refusal.message}; {longer}")
-    if reason is Reason.INPUT_REJECTED:
-        return UnprocessableInput(refusal.message)
     if reason is Reason.MODEL_FAILED:
         return InternalError(refusal.message)
-    # queue full, deadline unreachable, no worker, loading, shutting down: retry later
+    # queue full, deadline unreachable, no worker, loading, shutting down, no memory to
+    # send it on: retry later
     retry_after = refusal.retry_after if refusal.retry_after is not None else DEFAULT_RETRY_AFTER
     if reason in BUSY:
         message = refusal.message

@@ -4,8 +4,9 @@
 never formatted. With `--log-format json` the fields go out as JSON keys. Where the
 server's own logging set-up is the only place the line goes, it is written there
 directly (`DirectLines`: the same line, for a sixth of the cost); else it goes through
-logging as a record. Probes (`GET /health`, `/ready`, `/ready/<model>`) are logged at
-DEBUG: an orchestrator asks every few seconds, and those lines would drown the requests.
+logging as a record. Probes (`GET` or `HEAD` of /health, /ready, /ready/<model> and
+SageMaker's /ping) are logged at DEBUG: an orchestrator asks every few seconds, and those
+lines would drown the requests.
 
 What a client chose (method, target, request id) is escaped in the text line: a quote, a
 backslash or a character that is not printable becomes `\\xHH` (or `\\uHHHH`), so a path

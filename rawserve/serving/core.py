@@ -531,30 +531,19 @@ class SchedulerCore:
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
         max_size, workers = self.max_size, self.workers
-        # In O(1): behind everything queued they would still make it (what is ahead is a
-        # part of the queue; alone, then, too). Most admissions end here; only a deep
-        # queue is looked into.
-        everything = self.cost_model.drain_seconds_of(
-            self._size + len(own), self._queued_cost + sum(own), max_size, workers
-        )
-        assert everything is not None  # measured, as trusted
-        # the batches in flight take at most their whole predicted time: when even that
-        # leaves room, what is left of it need not be summed (a continuous worker has
-        # hundreds of one-item batches in flight)
-        most = self._in_flight_predicted / max(workers, 1)
-        if now + ADMIT_MARGIN * (most + everything) <= deadline:
-            return False
-        in_flight = self._in_flight_wait(now)
-        if now + ADMIT_MARGIN * in_flight.then(everything) <= deadline:
+        # Behind everything queued they would still make it (what is ahead is a part of
+        # the queue; alone, then, too). Most admissions end here; only a deep queue is
+        # looked into.
+        if self._queue_ends_by(deadline, now, len(own), sum(own)):
             return False
         alone = self.cost_model.drain_seconds(own, max_size, workers)
-        assert alone is not None  # measured, as `everything` was
+        assert alone is not None  # measured, as trusted
         if now + ADMIT_MARGIN * alone > deadline:  # as with nothing ahead: not its cause
             return False
         ahead = [i.cost for i in self._queued_ahead(*_bounds(items))]
         with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)
-        assert with_ahead is not None  # measured, as `everything` was
-        return now + ADMIT_MARGIN * in_flight.then(with_ahead) > deadline
+        assert with_ahead is not None  # measured, as `alone` was
+        return now + ADMIT_MARGIN * self._in_flight_wait(now).then(with_ahead) > deadline
 
     def _delays_admitted(self, items: Sequence[WorkItem], now: float) -> bool:
         """Whether `items`, in the turns they were given, would make a queued request
@@ -607,17 +596,24 @@ class SchedulerCore:
 
     def _queue_in_time(self, now: float, count: int = 0, cost: int = 0) -> bool:
         """Whether everything queued, and `count` more items costing `cost`, ends before
-        the earliest deadline queued, behind the batches in flight, at the measured speed
-        with ADMIT_MARGIN: then no queued request can be late, in O(keys)."""
+        the earliest deadline queued: then no queued request can be late, in O(keys)."""
+        earliest = min(minima.earliest_deadline().deadline for minima in self._minima.values())
+        return self._queue_ends_by(earliest, now, count, cost)
+
+    def _queue_ends_by(self, when: float, now: float, count: int = 0, cost: int = 0) -> bool:
+        """Whether everything queued, and `count` more items costing `cost`, ends by
+        `when` behind the batches in flight, at the measured speed with ADMIT_MARGIN."""
         everything = self.cost_model.drain_seconds_of(
             self._size + count, self._queued_cost + cost, self.max_size, self.workers
         )
         assert everything is not None  # measured, as trusted
-        earliest = min(minima.earliest_deadline().deadline for minima in self._minima.values())
-        most = self._in_flight_predicted / max(self.workers, 1)  # (as `_misses_deadline`)
-        if now + ADMIT_MARGIN * (most + everything) <= earliest:
-            return True  # (what is left in flight is at most its whole predicted time)
-        return now + ADMIT_MARGIN * self._in_flight_wait(now).then(everything) <= earliest
+        # the batches in flight take at most their whole predicted time: when even that
+        # leaves room, what is left of it need not be summed (in O(1): a continuous
+        # worker has hundreds of one-item batches in flight)
+        most = self._in_flight_predicted / max(self.workers, 1)
+        if now + ADMIT_MARGIN * (most + everything) <= when:
+            return True
+        return now + ADMIT_MARGIN * self._in_flight_wait(now).then(everything) <= when
 
     def _probes_length(self, items: Sequence[WorkItem]) -> bool:
         """Whether `items`, refused for their own time, are rather taken to learn how long

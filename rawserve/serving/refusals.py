@@ -26,7 +26,6 @@ class Reason(enum.Enum):
     LOADING = "loading"  # the model is still loading (or restarting)
     SHUTTING_DOWN = "shutting_down"
     DEADLINE_PASSED = "deadline_passed"
-    INPUT_REJECTED = "input_rejected"  # the model rejected the input: the client's to fix
     MODEL_FAILED = "model_failed"  # the model worker failed while computing it
     OUT_OF_MEMORY = "out_of_memory"  # the server had no memory to send it on: retry later
 
