@@ -113,6 +113,23 @@ def test_another_tasks_parameters_say_which_task_takes_them():
     assert "zzz is" not in str(refused.value)
 
 
+def test_another_tasks_fields_say_which_task_takes_them():
+    """TGI's client sends `"stream": false` beside "inputs": aimed at an embedding model,
+    it read "unknown field(s): 'stream' (allowed: ...)", where the OpenAI routes say that
+    a text-generation model is needed."""
+    document = {"inputs": "hi", "parameters": {"max_new_tokens": 3}, "stream": False}
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body("feature-extraction", document)
+    assert str(refused.value) == (
+        "unknown field(s) for feature-extraction: 'stream'; stream is a field of "
+        "text-generation (a model is served for one task: MODEL:TASK)"
+    )
+    with pytest.raises(BadRequest) as refused:  # no task's: the fields it takes, as before
+        parse_json_body("feature-extraction", {"inputs": "hi", "straem": True})
+    assert str(refused.value).startswith("unknown field(s): 'straem' (allowed: dimensions, ")
+    assert parse_json_body("text-generation", document).params == {"max_new_tokens": 3}
+
+
 def test_unknown_parameters_are_said_with_every_parameter_the_task_takes_whole():
     """The README's `top_k` to the default model (feature-extraction): its hint (ten tasks
     take it) was cut at 300 characters; a generation model's allowed list then lost seed,

@@ -50,7 +50,7 @@ from rawserve.api.tei import sentence_similarity
 from rawserve.api.tei_bodies import INFERENCE_SIMILARITY
 from rawserve.api.tokens import AnswerTooLarge
 from rawserve.api.window_checks import WINDOWED_TASKS, check_windows
-from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
+from rawserve.http.errors import BadRequest, PayloadTooLarge, UnknownFields, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
     CUSTOM_TASK,
@@ -62,6 +62,7 @@ from rawserve.tasks import (
     check_generation_length,
     check_input,
     check_params,
+    other_tasks_fields,
     shape_answer,
     task_rules,
 )
@@ -147,6 +148,8 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
     if not isinstance(document, dict) or "inputs" not in document:
         raise BadRequest('the JSON body must be an object with an "inputs" field')
     body = inference_body(task_name)
+    if elsewhere := other_tasks_fields(task_name, sorted(set(document) - set(body.names))):
+        raise UnknownFields(elsewhere)
     fields = body.read(document)  # unknown fields: 400
     task = task_rules(task_name)
     raw_inputs = document["inputs"]

@@ -182,22 +182,39 @@ NAMES_SHOWN = 5  # of a request's unknown parameters, the most a refusal names
 NAME_CHARS_SHOWN = 40  # of each, the most it quotes
 
 
-def tasks_taking(names: Sequence[str]) -> str:
-    """Where parameters unknown to a model's task are another task's, which, each (a
-    model that can do both is served for one: an NLI model as text-classification was
-    sent zero-shot's candidate_labels)."""
+def tasks_taking(names: Sequence[str], *, as_fields: bool = False) -> str:
+    """Where parameters (`as_fields`: fields of `POST /`'s body) unknown to a model's task
+    are another task's, which, each (a model that can do both is served for one: an NLI
+    model as text-classification was sent zero-shot's candidate_labels; TGI's client
+    asking an embedding model to generate read that its field `stream` was unknown)."""
     said = []
     for name in names:
-        others = sorted(task.name for task in TASKS.values() if name in task.params)
+        others = sorted(task.name for task in TASKS.values() if _takes(task, name, as_fields))
         if others:
             listed = ", ".join(others[:TASKS_NAMED])
             if len(others) > TASKS_NAMED:  # top_k is ten tasks'
                 more = len(others) - TASKS_NAMED
                 listed += f" and {more} other task{'s' if more > 1 else ''}"
-            said.append(f"{name} is a parameter of {listed}")
+            said.append(f"{name} is a {'field' if as_fields else 'parameter'} of {listed}")
     if not said:
         return ""
     return f"; {'; '.join(said)} (a model is served for one task: MODEL:TASK)"
+
+
+def other_tasks_fields(task_name: str, unknown: Sequence[str]) -> str | None:
+    """The refusal of fields of `POST /`'s body unknown to the model's task where other
+    tasks take them, naming those; None where none does."""
+    elsewhere = tasks_taking(unknown[:NAMES_SHOWN], as_fields=True)
+    if not elsewhere:
+        return None
+    shown = ", ".join(repr(name[:NAME_CHARS_SHOWN]) for name in unknown[:NAMES_SHOWN])
+    return f"unknown field(s) for {task_name or 'this model'}: {shown}{elsewhere}"
+
+
+def _takes(task: Task, name: str, as_field: bool) -> bool:
+    if not as_field:
+        return name in task.params
+    return name in task.extra_fields or (task.params_at_root and name in task.params)
 
 
 def batch_key(params: Mapping[str, Any]) -> str:
