@@ -984,6 +984,22 @@ def test_seq2seq_settings_generate_refuses_are_said_in_rawserves_words(runner, p
         summarize.run(["hello"], params)
 
 
+def test_seq2seq_clean_up_of_spaces_is_done_for_a_bpe_tokenizer_too(tiny_model):
+    """`clean_up_tokenization_spaces: true` asks for transformers 4.57's answer, which
+    cleaned up for any tokenizer: 5 skips it for a BPE one (BART's, with a warning in the
+    worker's log), and the client got "hello world ." as asked for without it."""
+    import transformers
+
+    from rawserve.worker.seq2seq_lm import decoded
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model("seq2seq"))
+    assert type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+    ids = [tokenizer("hello world . is it ?")["input_ids"]]
+    assert decoded(tokenizer, ids, True) == ["hello world. is it?"]
+    assert decoded(tokenizer, ids, False) == decoded(tokenizer, ids, None)
+    assert decoded(tokenizer, ids, False) == ["hello world . is it ?"]
+
+
 @pytest.mark.parametrize(
     ("caller", "most"),
     [
