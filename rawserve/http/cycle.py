@@ -117,7 +117,11 @@ def is_probe_target(method: bytes, target: bytes) -> bool:
     return is_probe_path(method.decode("ascii"), path)
 
 
+def request_line_size(event: h11.Request) -> int:
+    return len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n")
+
+
 def head_size(event: h11.Request, fields: list[tuple[bytes, bytes]]) -> int:
     """The head's size as sent (near enough: h11 has dropped the optional spaces)."""
-    request_line = len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n")
-    return request_line + sum(len(name) + len(value) + 4 for name, value in fields) + 2
+    headers = sum(len(name) + len(value) + 4 for name, value in fields)
+    return request_line_size(event) + headers + 2

@@ -14,7 +14,7 @@ import re
 import h11
 
 from rawserve.http.chunked import CHUNKS_AS_SENT, MIN_CHUNK_BYTES
-from rawserve.http.cycle import head_size, header
+from rawserve.http.cycle import head_size, header, request_line_size
 from rawserve.http.errors import (
     BadRequest,
     HeadersTooLarge,
@@ -43,7 +43,7 @@ def check_head(
     """Refuse what h11 lets through but a hardened origin server must not."""
     if event.http_version not in SUPPORTED_VERSIONS:
         return BadRequest("only HTTP/1.0 and HTTP/1.1 are supported")
-    if len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n") > max_head_bytes:
+    if request_line_size(event) > max_head_bytes:
         return request_line_too_long()
     if head_size(event, fields) > max_head_bytes:
         # h11 bounds only a head still incomplete; one that came whole is checked here.
