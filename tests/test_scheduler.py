@@ -2068,7 +2068,7 @@ class FakeBackend:
     def serving_again_at(self) -> float | None:
         return self.back_at
 
-    def died_with(self, future) -> int:
+    def died_with(self, future, place) -> int:
         """As if the worker died running the call behind `future` (and `died_beside`)."""
         (inputs,) = [inputs for inputs, _, call in self.calls if call is future]
         return len(inputs) + self.died_beside

@@ -713,49 +713,84 @@ def test_a_lone_input_whose_request_ended_before_its_crash_still_counts_toward_q
 
 def test_an_input_of_a_crashed_batch_not_run_again_runs_alone_when_it_comes_again(loaded):
     """The inputs of a batch of several that crashed its worker, not run again alone
-    (nobody waited for them any more), run alone when they come again, each ahead of the
-    queue: a crash of one then counts toward its quarantine (three crashes in all), and
-    one answered alone is batched again after. Batched beside others every time, a poison
-    input sent with deadlines shorter than a restart took a worker down at every batch and
-    was never refused (a list of it and another input: 5 sends, 5 deaths)."""
+    (nobody waited for them any more), run alone when they come again, before what the
+    scheduler sends next: a crash of one then counts as a first run's crash alone does
+    (the batch's counts for none: three crashes alone quarantine it, and two outside
+    kills never do), and one answered alone is forgotten, batched again after. Batched
+    beside others every time, a poison input sent with deadlines shorter than a restart
+    took a worker down at every batch and was never refused (a list of it and another
+    input: 5 sends, 4 deaths, none refused)."""
     serving = loaded(max_batch_size=4)
     serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
     worker = serving.pool.workers[0]
+    key = PoisonMemory.key("poison", {})
 
-    def crash_batched(mate: str) -> None:
-        serving.arrive(["busy"], {}, timeout=8.0)
-        serving.arrive([mate, "poison"], {}, timeout=0.3)
-        serving.answer(*serving.answerable()[0])  # "busy": the worker takes the next
+    def crash_and_restart() -> None:
         serving.crash(worker)
-        serving.advance(2.5)  # deadlines passed, the backoff over
+        serving.advance(5.0)  # deadlines passed, the backoff over
         serving.load(worker)
 
-    crash_batched("mate")
+    serving.arrive(["busy"], {}, timeout=8.0)
+    serving.arrive(["mate", "poison"], {}, timeout=0.3)
+    serving.answer(*serving.answerable()[0])  # "busy": the worker takes the next
     assert sent(serving)[-1] == ("mate", "poison")
+    crash_and_restart()  # suspects both, counted for neither
+    assert serving.pool.poison.times(key) == 0
     # as they come again (beside a newcomer): each alone, the newcomer in a batch
-    request = serving.arrive(["new", "mate", "poison"], {}, timeout=0.3)
+    mixed = serving.arrive(["new", "mate", "poison"], {}, timeout=0.3)
     assert sent(serving)[-1] == ("new",)
     serving.answer(*serving.answerable()[0])
     assert sent(serving)[-1] == ("mate",)
     serving.answer(*serving.answerable()[0])
     assert sent(serving)[-1] == ("poison",)
-    serving.crash(worker)  # its first crash alone: it counts (the batch's came first)
-    assert request.ends and serving.pool.poison.times(PoisonMemory.key("poison", {})) == 1
-    serving.advance(2.5)
-    serving.load(worker)
-    # the mate answered alone is a suspect no more: batched again; the poison alone
+    crash_and_restart()  # its first crash alone: remembered
+    assert mixed.ends and serving.pool.poison.times(key) == 1
+    # the mate answered alone is forgotten: batched again; the poison alone
     serving.arrive(["mate", "poison"], {}, timeout=0.3)
     assert sent(serving)[-1] == ("mate",)
     serving.answer(*serving.answerable()[0])
     assert sent(serving)[-1] == ("poison",)
-    serving.crash(worker)  # its second alone: quarantined
-    serving.advance(5.0)
-    serving.load(worker)
+    crash_and_restart()  # its second: counted (two outside kills alike: not refused)
+    assert not serving.pool.supervisor.is_poison("poison", {})
+    serving.arrive(["poison"], {}, timeout=0.3)
+    assert sent(serving)[-1] == ("poison",)
+    crash_and_restart()  # its third: quarantined
     refused = serving.arrive(["other", "poison"], {}, timeout=0.3)
     assert sent(serving)[-1] == ("other",)
     serving.answer(*serving.answerable()[0])
     assert refused.outcome == "results"
     assert [end.output for end in refused.ends[0][1]] == [("out", "other"), REFUSED_POISON]
+
+
+def test_of_inputs_run_apart_only_the_one_its_worker_died_running_is_answered_500(loaded):
+    """A scheduler's batch whose inputs run alone (each one a worker died running before)
+    is answered item by item as its worker dies with one of them: 500 for the request
+    the worker ran, 503 for those that never ran (the pool said what the worker ran as
+    it died for the batch as a whole: the last one answered got the 500, the poison
+    input's request a 503 that a proxy retried elsewhere)."""
+    serving = loaded(max_batch_size=4)
+    serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    worker = serving.pool.workers[0]
+    for value in ("poison", "i2", "i3"):
+        serving.pool.poison.suspect(PoisonMemory.key(value, {}))
+    serving.arrive(["busy"], {}, timeout=8.0)
+    requests = [serving.arrive([value], {}, timeout=0.3) for value in ("poison", "i2", "i3")]
+    serving.answer(*serving.answerable()[0])
+    assert sent(serving)[-1] == ("poison",)
+    serving.crash(worker)  # its restart outlasts every deadline
+    outcomes = [request.outcome for request in requests]
+    assert outcomes == [Reason.MODEL_FAILED, Reason.LOADING, Reason.LOADING], outcomes
+
+
+def test_a_crashed_batch_s_inputs_run_alone_only_where_the_worker_serves_no_rows(loaded):
+    """A continuous worker would take no new sequence until it ran each such input alone,
+    idle: there, they are sent as any other (an innocent prompt a kill -9 met held a
+    worker's whole queue for an hour)."""
+    serving = loaded(kind="continuous", max_batch_size=4)
+    serving.pool.poison.suspect(PoisonMemory.key("mate", {}))
+    for value in ("running", "mate", "new"):
+        serving.arrive([value], {}, timeout=8.0)
+    assert sent(serving) == [("running",), ("mate",), ("new",)]  # side by side
 
 
 def test_a_crashed_batch_due_before_its_workers_restart_is_answered_beside_an_idle_worker(

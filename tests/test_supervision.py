@@ -113,11 +113,12 @@ def test_three_crashes_alone_quarantine_an_input_however_its_deadlines_fall():
     assert len(streamed.poison) == 0
 
 
-def test_a_suspect_of_a_crashed_batch_runs_alone_and_counts_from_its_first_crash_alone():
+def test_a_suspect_of_a_crashed_batch_is_held_to_run_alone_and_counts_only_its_crashes_alone():
     """An input of a batch of several that crashed, not run again, is remembered as a
-    suspect: held (to run alone), not quarantined; its first crash alone counts, the
-    batch's having come first (three crashes in all), and answered alone it is forgotten
-    (a crashed input is not)."""
+    suspect: held (to run alone), not quarantined, counted for nothing; its first crash
+    alone is remembered as a first run's is (two outside kills never make it poison, a
+    third crash alone quarantines it), and answered alone it is forgotten, as an input
+    whose one crash alone is remembered is (an input counted stays)."""
     sup, _ = supervisor()
     key, mate = PoisonMemory.key("crash me", {}), PoisonMemory.key("mate", {})
     assert sup.remembered(["crash me", "mate"], {}) == [None, None]
@@ -126,13 +127,18 @@ def test_a_suspect_of_a_crashed_batch_runs_alone_and_counts_from_its_first_crash
     assert sup.remembered(["crash me", "mate", "new"], {}) == [key, mate, None]
     assert not sup.is_poison("crash me", {}) and sup.poison.times(key) == 0
     assert sup.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
-    assert sup.poison.times(key) == 1 and sup.poison.left(key) == 1
-    sup.poison.suspect(key)  # in a crashed batch again: what it counted stays
-    assert sup.poison.times(key) == 1
-    sup.poison.cleared(mate)  # answered alone: a suspect no more
-    sup.poison.cleared(key)  # a crash alone is not cleared so
+    assert sup.poison.times(key) == 1 and sup.poison.left(key) == 2  # remembered only
+    sup.poison.suspect(key)  # in a crashed batch again: what it had stays
+    assert sup.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
+    assert not sup.is_poison("crash me", {}) and sup.poison.times(key) == 2
+    sup.poison.cleared(mate)  # answered alone: forgotten
+    sup.poison.cleared(key)  # counted: it stays
     assert sup.remembered(["crash me", "mate"], {}) == [key, None]
-    assert sup.lost(Held(lone_key=key)) is LostBatch.QUARANTINED
+    assert sup.lost(Held(first_key=key)) is LostBatch.QUARANTINED
+    once = PoisonMemory.key("once", {})
+    assert sup.lost(Held(first_key=once)) is LostBatch.RETRY_ALONE
+    sup.poison.cleared(once)  # one crash alone, then answered alone: forgotten
+    assert sup.remembered(["once"], {}) == [None]
 
 
 def test_a_first_crash_alone_is_forgotten_with_the_memory():

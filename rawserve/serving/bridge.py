@@ -530,5 +530,5 @@ class PublishingBackend:
     def serving_again_at(self) -> float | None:
         return self.backend.serving_again_at()
 
-    def died_with(self, future: asyncio.Future[BatchResult]) -> int:
-        return self.backend.died_with(future)
+    def died_with(self, future: asyncio.Future[BatchResult], place: int) -> int:
+        return self.backend.died_with(future, place)

@@ -109,9 +109,10 @@ class Backend(Protocol):
         None while one serves, or where that is not known."""
         ...
 
-    def died_with(self, future: asyncio.Future[BatchResult]) -> int:
-        """How many items the worker that died running that batch ran as it died (0: none
-        died with it, or it was stopped from outside, no input's doing)."""
+    def died_with(self, future: asyncio.Future[BatchResult], place: int) -> int:
+        """How many items the worker that died running the item at `place` of that batch
+        ran as it died (0: none died with it, or it was stopped from outside, no input's
+        doing)."""
         ...
 
 
@@ -464,15 +465,19 @@ class Scheduler:
         request's items (a batch-mate, or a continuous worker's sequence beside others on
         its rows) may be a batch-mate of what did: a 503, which a proxy retries
         elsewhere, and one bad input never fails its batch-mates. The pool says what the
-        worker ran as it died: by now the others' batches may be answered (a stream's
-        error), and that one looked alone. Of a batch run again an item at a time,
-        those still waiting count: the others' runs again have answered them."""
+        worker ran as it died, item by item: by now the others' batches may be answered
+        (a stream's error), and that one looked alone; and the items of a batch may have
+        run apart (an item at a time after a crash, or alone as one a worker died running
+        before), each a worker that died with it. Those still waiting count: the others'
+        runs again have answered them."""
         if item.batch is None:
             return False
-        waiting = [member for member in self._sent.get(item.batch, ()) if _waits(member)]
-        if not waiting or any(member.request != item.request for member in waiting):
-            return False
-        return self.backend.died_with(item.batch) == len(waiting)
+        sent = self._sent.get(item.batch, [])
+        own = [
+            p for p, member in enumerate(sent) if member.request == item.request and _waits(member)
+        ]
+        died_with = [self.backend.died_with(item.batch, place) for place in own]
+        return bool(own) and all(0 < died <= len(own) for died in died_with)
 
     def _refuse_unreachable(self, deadline: float, items: int, now: float) -> None:
         """While no worker serves, raise for a run due before one should again what the

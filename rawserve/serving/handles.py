@@ -63,11 +63,18 @@ class Job:
     died_with: int = 0
     # told of each part answered before the whole batch is (`Assembly`)
     on_part: PartAnswered | None = None
+    # one input a worker died running before, run alone so that a crash tells of it
+    # (`WorkerPool._run_alone`): answered, it is forgotten
+    isolated: bool = False
     answered: bool = False
 
     def place(self, index: int) -> int:
         """The place of its input at `index` in the scheduler's batch."""
         return self.places[index] if self.assembly is not None else index
+
+    def holds(self, place: int) -> bool:
+        """Whether it holds the input at `place` of the scheduler's batch."""
+        return place in self.places if self.assembly is not None else place < len(self.inputs)
 
     def answer(
         self, result: BatchResult | None = None, *, error: BaseException | None = None

@@ -300,12 +300,14 @@ class WorkerPool(PoolReports):
         refused = [i for i, key in enumerate(keys) if key is not None and key in self.poison]
         if refused:
             self._refuse_poison(whole, refused)
-        alone = [i for i, key in enumerate(keys) if key is not None and i not in refused]
-        rest = [i for i, key in enumerate(keys) if key is None]
+        # (a continuous worker would take no new sequence until it ran each alone, idle)
+        isolating = not worker.sequences
+        alone = [i for i, key in enumerate(keys) if isolating and key and i not in refused]
+        rest = [i for i in range(len(inputs)) if i not in refused and i not in alone]
         if rest:
             self._send(worker, whole.part(rest, next(self._batch_ids)))
         if alone:
-            self._run_alone(whole, alone, keys)
+            self._run_alone(whole, alone)
         return future
 
     def _refuse_poison(self, job: Job, refused: list[int]) -> None:
@@ -315,14 +317,15 @@ class WorkerPool(PoolReports):
             self.metrics.drop("poison", len(refused))
         job.answer_unrun(refused, REFUSED_POISON)
 
-    def _run_alone(self, job: Job, alone: list[int], keys: list[str | None]) -> None:
-        """Run each input of `job` at `alone`, remembered but not quarantined, alone (as a
-        retry after a crash is, ahead of the queue, on any idle worker): a crash of it
-        then counts toward its quarantine; one answered clears a mere suspect."""
-        said = "running %d input(s) alone%s: each crashed a worker before, alone or in a batch"
-        say_of(job, alone, said)
+    def _run_alone(self, job: Job, alone: list[int]) -> None:
+        """Run each input of `job` at `alone`, remembered but not quarantined, alone, on
+        the first idle worker, before what the scheduler sends next (as a retry after a
+        crash is): a crash of it then tells of that input, as a first run's crash alone
+        does; answered, it is forgotten (`PoisonMemory.cleared`)."""
+        said = "running %d input(s) alone%s: a worker died running each before, alone or in a "
+        say_of(job, alone, said + "batch (alone, its crash tells of it)")
         for index in alone:
-            self._retries.append(job.part([index], next(self._batch_ids), keys[index]))
+            self._retries.append(replace(job.part([index], next(self._batch_ids)), isolated=True))
         self._send_retries()
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
@@ -370,10 +373,12 @@ class WorkerPool(PoolReports):
         if dropped:
             self._pump()  # the queue no longer waits behind them
 
-    def died_with(self, future: asyncio.Future[BatchResult]) -> int:
-        """How many items the worker that died running the batch `future` (its retries
-        wait) ran as it died; 0 where none did, or it was stopped from outside."""
-        return max((r.died_with for r in self._retries if r.future is future), default=0)
+    def died_with(self, future: asyncio.Future[BatchResult], place: int) -> int:
+        """How many items the worker that died running the item at `place` of the batch
+        `future` (its retry waits) ran as it died; 0 where none did, or it was stopped
+        from outside. (Its batch-mates may have run apart, and died apart.)"""
+        held = (r for r in self._retries if r.future is future and r.holds(place))
+        return max((r.died_with for r in held), default=0)
 
     def _cancel(self, worker: WorkerHandle, job: Job) -> None:
         if job.cancelled or worker.conn is None:
@@ -984,8 +989,8 @@ class WorkerPool(PoolReports):
             )
             worker.batch_cap = result.effective_batch_cap
         job.answer(replace(result, waited=job.waited) if job.waited else result)
-        if job.poison_key is not None:  # (it ran alone, and did not crash its worker)
-            self.poison.cleared(job.poison_key)
+        if job.isolated:  # (it ran alone, and did not crash its worker)
+            self.poison.cleared(PoisonMemory.key(job.inputs[0], job.params))
         if not self._closing:
             self._pump()
 
@@ -1090,11 +1095,9 @@ class WorkerPool(PoolReports):
         """Do what supervision decided for the batch a dead worker held as it died running
         `died_with` items; nothing for one nobody waits for any more (it is not run
         again)."""
-        ended = job.abandoned or job.cancelled  # (not run again)
-        said_later = job.poison_key is not None and not ended  # (run again, it says so)
-        if died_with == 1 and not said_later and lost is not LostBatch.QUARANTINED:
-            self._say_counted(worker, job)  # (counted as it was decided)
-        if ended:
+        if died_with == 1 and job.poison_key is None and lost is not LostBatch.QUARANTINED:
+            self._say_counted(worker, job)  # (a first run's: counted as it was decided)
+        if job.abandoned or job.cancelled:
             if lost is LostBatch.QUARANTINED:
                 self._say_quarantined(worker, job, "crashed")
             elif lost is LostBatch.RETRY_ALONE:
@@ -1129,8 +1132,8 @@ class WorkerPool(PoolReports):
             job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
 
     def _say_counted(self, worker: WorkerHandle, job: Job) -> None:
-        """Say a crash alone not run again, where it counted (a first run's first one is
-        remembered only): the count toward its quarantine, which no run again may say."""
+        """Say a first run's crash alone where it counted (its input's first is remembered
+        only): the count toward its quarantine, which no run again may say."""
         key = PoisonMemory.key(job.inputs[0], job.params)
         times = self.poison.times(key)
         if self.poison.left(key) < self.poison.strikes:

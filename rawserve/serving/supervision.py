@@ -129,25 +129,29 @@ class PoisonMemory:
         (its deadline passed, its client left), the next send's is. Counted only where it
         ran again, a poison input sent with deadlines shorter than a restart took a
         worker down at every request and was never refused; three crashes alone
-        quarantine an input now, however its deadlines fall."""
-        if self._entry(key) is not None:
+        quarantine an input now, however its deadlines fall. A suspect's is its first
+        (`suspect`: a batch's crash counts for none of its inputs)."""
+        entry = self._entry(key)
+        if entry is not None and (entry.count or entry.remembered):
             return self.crashed(key)
         self._keep(key, 0, remembered=True)
         return False
 
     def suspect(self, key: str) -> None:
         """Remember an input of a batch of several that crashed its worker, not run again
-        alone (nobody waited for it any more): it runs alone when it comes again, where
-        its crash counts as a crash alone after a first one (`crashed_first`). Run in
-        batches and never alone, a poison input sent with deadlines shorter than a
-        restart took a worker down at every batch and was never counted."""
+        alone (nobody waited for it any more): it runs alone when it comes again, where a
+        crash of it counts as a first run's crash alone does (`crashed_first`); the
+        batch's counts for none of its inputs. Run in batches and never alone, a poison
+        input sent with deadlines shorter than a restart took a worker down at every
+        batch and was never counted."""
         if self._entry(key) is None:
             self._keep(key, 0, remembered=False)
 
     def cleared(self, key: str) -> None:
-        """The input ran alone and was answered: a suspect only, it is one no more."""
+        """The input ran alone and was answered: a suspect, or an input whose one crash
+        alone is remembered (an outside kill's, say), is forgotten; one counted stays."""
         entry = self._entry(key)
-        if entry is not None and not entry.count and not entry.remembered:
+        if entry is not None and not entry.count:
             del self._entries[key]
 
     def holds(self, key: str) -> bool:
