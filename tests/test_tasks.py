@@ -14,6 +14,7 @@ from rawserve.api.inference import (
 )
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.tasks import (
+    CUSTOM_TASK,
     TASKS,
     InvalidRequest,
     batch_key,
@@ -122,12 +123,21 @@ def test_another_tasks_fields_say_which_task_takes_them():
         parse_json_body("feature-extraction", document)
     assert str(refused.value) == (
         "unknown field(s) for feature-extraction: 'stream'; stream is a field of "
-        "text-generation (a model is served for one task: MODEL:TASK)"
+        "text-generation (a model is served for one task: MODEL:TASK); allowed: dimensions, "
+        "inputs, normalize, options, parameters, pooling, prompt_name, truncate, "
+        "truncation_direction"
     )
     with pytest.raises(BadRequest) as refused:  # no task's: the fields it takes, as before
         parse_json_body("feature-extraction", {"inputs": "hi", "straem": True})
     assert str(refused.value).startswith("unknown field(s): 'straem' (allowed: dimensions, ")
     assert parse_json_body("text-generation", document).params == {"max_new_tokens": 3}
+    # past the names shown, still said; a handler's takes what it likes: no task's word
+    many = {"inputs": "hi", **{f"a{i}": 1 for i in range(5)}, "stream": True}
+    with pytest.raises(BadRequest, match="'a4' and 1 more; stream is a field of text-gen"):
+        parse_json_body("feature-extraction", many)
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body(CUSTOM_TASK, {"inputs": "hi", "stream": True})
+    assert "MODEL:TASK" not in str(refused.value)
 
 
 def test_unknown_parameters_are_said_with_every_parameter_the_task_takes_whole():

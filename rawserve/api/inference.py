@@ -148,7 +148,8 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
     if not isinstance(document, dict) or "inputs" not in document:
         raise BadRequest('the JSON body must be an object with an "inputs" field')
     body = inference_body(task_name)
-    if elsewhere := other_tasks_fields(task_name, sorted(set(document) - set(body.names))):
+    unknown = sorted(set(document) - set(body.names))
+    if elsewhere := other_tasks_fields(task_name, unknown, ", ".join(sorted(body.names))):
         raise UnknownFields(elsewhere)
     fields = body.read(document)  # unknown fields: 400
     task = task_rules(task_name)

@@ -23,12 +23,16 @@ import orjson
 OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
+WHOLE_DIGITS = 18  # a whole Decimal of more digits is written as a float (1E+999999...)
+
+
 def _default(value: Any) -> Any:
     """What orjson does not write itself: strided arrays and other numpy types, and the
     standard library's values a handler may answer with (a handler's `Decimal`, `deque`,
-    namedtuple or `timedelta` failed its request with 500) as Python's json module and
-    FastAPI write them: a Decimal as the number it is, collections as lists or objects,
-    a timedelta as its seconds. Bytes and complex numbers have no JSON form."""
+    namedtuple or `timedelta` failed its request with 500) as FastAPI writes them: a
+    whole Decimal as an integer, another as a float (past a float's range, as infinity:
+    null), collections as lists or objects, a timedelta as its seconds. Bytes and
+    complex numbers have no JSON form."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind in "fiub" and not value.flags.c_contiguous:
             return np.ascontiguousarray(value)
@@ -37,8 +41,11 @@ def _default(value: Any) -> Any:
         return float(value)
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, Decimal):  # (not infinite nor NaN: null, as a float's)
-        return orjson.Fragment(str(value).encode()) if value.is_finite() else None
+    if isinstance(value, Decimal):
+        if not value.is_finite():  # (a signalling NaN has no float)
+            return None
+        whole = value.as_tuple().exponent >= 0  # type: ignore[operator]
+        return int(value) if whole and value.adjusted() < WHOLE_DIGITS else float(value)
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, UserString):

@@ -201,14 +201,17 @@ def tasks_taking(names: Sequence[str], *, as_fields: bool = False) -> str:
     return f"; {'; '.join(said)} (a model is served for one task: MODEL:TASK)"
 
 
-def other_tasks_fields(task_name: str, unknown: Sequence[str]) -> str | None:
+def other_tasks_fields(task_name: str, unknown: Sequence[str], allowed: str) -> str | None:
     """The refusal of fields of `POST /`'s body unknown to the model's task where other
-    tasks take them, naming those; None where none does."""
-    elsewhere = tasks_taking(unknown[:NAMES_SHOWN], as_fields=True)
-    if not elsewhere:
+    tasks take them, naming those (a handler's takes what it likes: none); None where
+    no task does."""
+    others = [name for name in unknown if any(_takes(t, name, True) for t in TASKS.values())]
+    if task_rules(task_name) is None or not others:
         return None
     shown = ", ".join(repr(name[:NAME_CHARS_SHOWN]) for name in unknown[:NAMES_SHOWN])
-    return f"unknown field(s) for {task_name or 'this model'}: {shown}{elsewhere}"
+    more = f" and {len(unknown) - NAMES_SHOWN} more" if len(unknown) > NAMES_SHOWN else ""
+    elsewhere = tasks_taking(others[:NAMES_SHOWN], as_fields=True)
+    return f"unknown field(s) for {task_name}: {shown}{more}{elsewhere}; allowed: {allowed}"
 
 
 def _takes(task: Task, name: str, as_field: bool) -> bool:
