@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import sys
 import tempfile
@@ -615,15 +614,11 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
-# a worker's exit, in the serving process's log (`rawserve.serving.pool`)
-WORKER_EXIT = re.compile(r"worker \S+: process \d+ (?:exited with code|was killed by)")
-
-
 def _log_facts(path: Path) -> dict[str, int]:
     text = path.read_text(errors="replace")
     return {
         "tracebacks": text.count("Traceback"),
-        "worker_exits": len(WORKER_EXIT.findall(text)),
+        "worker_exits": len(servers.worker_ended().findall(text)),
         "leaked_semaphores": text.count("leaked semaphore"),
     }
 

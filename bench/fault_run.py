@@ -159,7 +159,7 @@ async def fault_run(args: argparse.Namespace, port: int, log: ServerLog, seen: i
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             exit_line, exit_at, _ = await asyncio.to_thread(
-                log.wait_for, re.compile(rf"process {pid} exited"), seen, 60
+                log.wait_for, servers.worker_ended(pid), seen, 60
             )
             start_line, start_at, _ = await asyncio.to_thread(
                 log.wait_for, re.compile(r"worker 0: started \(pid"), exit_line, 60

@@ -3,11 +3,13 @@
 Each server is a child process on a free loopback port, with its log in a file; `stop()`
 sends SIGTERM and kills what is still there after a grace period. CPU and RSS come from
 /proc (Linux), for the server and every process below it (rawserve's model worker).
+`worker_ended` reads a worker's end from rawserve's log (bench.fault_run, bench.chaos).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -81,6 +83,16 @@ def rawserve_args(name: str, device: str = "cpu") -> tuple[str, ...]:
         return args
     beyond_device = args[2:] if args[:1] == ("--device",) else args
     return ("--device", device, *beyond_device)
+
+
+def worker_ended(pid: int | None = None) -> re.Pattern[str]:
+    """The serving process's log line (rawserve.serving.pool) that says a worker's process
+    `pid` (any, if None) ended, however it ended: 'exited with code C', 'was killed by
+    SIGKILL (out of memory, or a kill -9)' (a kill from outside), 'was killed for hanging',
+    'was killed, stopped from outside' (the server's own kills), 'stopped, as its load
+    failed'."""
+    process = r"\d+" if pid is None else str(pid)
+    return re.compile(rf"worker \S+: process {process} (?:exited|was killed|stopped, as)")
 
 
 def free_port() -> int:

@@ -1,0 +1,37 @@
+"""The bench/ scripts' own pieces, checked without a server or a model (each well under a
+second): what they read from a server's log, how they judge an answer, what --help says."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import servers
+
+# how rawserve.serving.pool says a worker's process ended (`exit_words`, `server_kill`)
+WORKER_ENDS = [
+    "worker 0: process 16032 exited with code 1; restarting in 0.5 s",
+    "worker 0: process 16032 was killed by SIGKILL (out of memory, or a kill -9); "
+    "restarting in 0.5 s",
+    "worker 0: process 16032 was killed by SIGSEGV while loading; restarting in 1.0 s",
+    "worker gen/1: process 16032 was killed for hanging holding a batch of 4; restarting in 0 s",
+    "worker 0: process 16032 was killed, stopped from outside; restarting in 0.5 s",
+    "worker 0: process 16032 stopped, as its load failed; not restarted",
+]
+
+
+@pytest.mark.parametrize("line", WORKER_ENDS)
+def test_a_worker_s_end_is_read_from_the_log_however_it_ended(line):
+    """bench.fault_run waited for 'process N exited' only, and a kill -9 is logged as
+    'was killed by SIGKILL': it gave up at its first kill; bench.chaos counted neither
+    the server's own kills nor a failed load."""
+    assert servers.worker_ended(16032).search(line)
+    assert servers.worker_ended().search(line)
+    assert not servers.worker_ended(1603).search(line)
+    assert not servers.worker_ended(160321).search(line)
+
+
+def test_a_worker_s_other_lines_are_not_its_end():
+    assert not servers.worker_ended().search("worker 0: started (pid 16032)")
+    assert not servers.worker_ended().search(
+        "worker 0: its process 16032 is stopped (SIGSTOP, a debugger), its batch held"
+    )
