@@ -12,8 +12,8 @@ answer must echo the id of the request it answers (else it is counted as duplica
 answer that belongs to another request), and a request whose connection ends, or whose
 answer does not come within the client's timeout, is lost. Embeddings are checked
 against the first answer seen for the same text (an answer mixed up between requests
-would not match), lists for their length, streams for token indices 0, 1, 2, ... in
-order, ending with the final event or an error event.
+would not match), lists for their length, streams for token indices 1, 2, 3, ... (TGI's
+numbering) in order, ending with the final event or an error event.
 
 Hostile clients (their answers are tallied by kind, not counted as traffic): a
 slowloris head, binary garbage, an oversized Content-Length, JSON nested 5,000 deep, a
@@ -290,16 +290,8 @@ class Chaos:
         link.close()
 
     def check_stream(self, answer: bytes) -> None:
-        events = [
-            json.loads(line.removeprefix(b"data:"))
-            for line in answer.split(b"\n\n")
-            if line.startswith(b"data:")
-        ]
-        tokens = [e for e in events if "index" in e]
-        finished = events and (
-            "error" in events[-1] or events[-1].get("generated_text") is not None
-        )
-        if [e["index"] for e in tokens] != list(range(len(tokens))) or not finished:
+        events = stream_events(answer)
+        if not stream_whole(events):
             self.ledger.mismatched["stream"] += 1
         if events and "error" in events[-1]:
             self.ledger.statuses["stream error-event"] += 1
@@ -485,6 +477,26 @@ class Chaos:
                     os.kill(pid, signal.SIGCONT)
                 self.events.append(f"{time.monotonic() - started:.0f}s {name}: {action} {pid}")
             minute += 1
+
+
+def stream_events(answer: bytes) -> list[dict[str, Any]]:
+    """A server-sent event stream's `data:` events, decoded (comments left out)."""
+    return [
+        json.loads(line.removeprefix(b"data:"))
+        for line in answer.split(b"\n\n")
+        if line.startswith(b"data:")
+    ]
+
+
+def stream_whole(events: list[dict[str, Any]]) -> bool:
+    """Whether a token stream is whole and in order: its tokens numbered 1, 2, 3, ... as
+    TGI numbers them (the README's example), ending with the final event (the whole text)
+    or with an error event."""
+    tokens = [event for event in events if "index" in event]
+    finished = bool(events) and (
+        "error" in events[-1] or events[-1].get("generated_text") is not None
+    )
+    return finished and [event["index"] for event in tokens] == list(range(1, len(tokens) + 1))
 
 
 def _post_bytes(body: bytes, request_id: str | None = None) -> bytes:

@@ -35,3 +35,48 @@ def test_a_worker_s_other_lines_are_not_its_end():
     assert not servers.worker_ended().search(
         "worker 0: its process 16032 is stopped (SIGSTOP, a debugger), its batch held"
     )
+
+
+def sse(*events: str) -> bytes:
+    return b"".join(b"data:" + event.encode() + b"\n\n" for event in events)
+
+
+TOKEN = '{"id":764,"text":" there","logprob":-1.9,"special":false}'
+
+
+@pytest.mark.parametrize(
+    ("answer", "whole"),
+    [
+        # the README's example: tokens numbered from 1, the text on the last
+        (
+            sse(
+                f'{{"index":1,"token":{TOKEN},"generated_text":null,"details":null}}',
+                f'{{"index":2,"token":{TOKEN},"generated_text":" there there","details":null}}',
+            ),
+            True,
+        ),
+        (b": keep-alive\n\n" + sse(f'{{"index":1,"token":{TOKEN},"generated_text":"x"}}'), True),
+        (
+            sse(
+                f'{{"index":1,"token":{TOKEN},"generated_text":null}}',
+                '{"error":"the worker died","error_type":"generation"}',
+            ),
+            True,
+        ),
+        (sse(f'{{"index":0,"token":{TOKEN},"generated_text":"x"}}'), False),  # from 0
+        (
+            sse(
+                f'{{"index":2,"token":{TOKEN},"generated_text":null}}',
+                f'{{"index":1,"token":{TOKEN},"generated_text":"x"}}',
+            ),
+            False,
+        ),
+        (sse(f'{{"index":1,"token":{TOKEN},"generated_text":null}}'), False),  # cut short
+        (b"", False),
+    ],
+)
+def test_a_stream_is_whole_with_its_tokens_numbered_from_1_as_tgi_s(answer, whole):
+    """bench.chaos counted every stream as wrong content: it expected indexes from 0."""
+    from bench import chaos
+
+    assert chaos.stream_whole(chaos.stream_events(answer)) is whole
