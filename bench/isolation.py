@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,7 +100,8 @@ def saturate_main(port: int, path: str, clients: int) -> None:
 
         def wait_for_eof() -> None:
             sys.stdin.read()
-            loop.call_soon_threadsafe(stop.set)
+            with contextlib.suppress(RuntimeError):  # the load ended first: its loop is closed
+                loop.call_soon_threadsafe(stop.set)
 
         threading.Thread(target=wait_for_eof, daemon=True).start()
         return await saturate(port, path, clients, stop)
@@ -122,7 +124,9 @@ def saturating(port: int, path: str, clients: int) -> Iterator[dict[str, int]]:
     )
     counts: dict[str, int] = {}
     try:
-        assert load.stdout is not None and load.stdout.readline() == "saturated\n"
+        assert load.stdout is not None
+        if load.stdout.readline() != "saturated\n":
+            raise RuntimeError(f"{clients} clients never filled {path}'s queue (no 503)")
         yield counts
     finally:
         output, _ = load.communicate(timeout=60)  # closes its stdin: it stops
@@ -155,18 +159,15 @@ def build_generator(folder: Path) -> Path:
     return folder
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=16, help="saturating clients")
-    args = parser.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="rawserve-isolation-"))
+def measure(work: Path, rounds: int, clients: int) -> None:
+    """Serve both models from `work` and print each round's figures."""
     cls = build_classifier(work / "cls")
     gen = build_generator(work / "gen")
     models = ["--model", f"cls={cls}:text-classification", "--model", f"gen={gen}:text-generation"]
-    server = rawserve(
-        None, work / "server.log", [*models, "--max-queue", "8", "--max-batch-size", "4"]
-    )
+    # one sequence a worker (as tests/test_multi_model.py's saturated server): with the
+    # default's several, the clients never filled the queue and no 503 came
+    bounds = ["--max-queue", "8", "--max-batch-size", "4", "--max-sequences", "1"]
+    server = rawserve(None, work / "server.log", [*models, *bounds])
     server.start()
     try:
         probe = build_request(
@@ -176,9 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         asyncio.run(wait_until_serving(server.port, probe, 300, server.alive))
         asyncio.run(timed_requests(server.port, "/models/cls", 30))  # connections, caches
-        for round_ in range(1, args.rounds + 1):
+        for round_ in range(1, rounds + 1):
             alone = p99(asyncio.run(timed_requests(server.port, "/models/cls", REQUESTS)))
-            with saturating(server.port, "/models/gen", args.clients) as counts:
+            with saturating(server.port, "/models/gen", clients) as counts:
                 busy = p99(asyncio.run(timed_requests(server.port, "/models/cls", REQUESTS)))
             figures = {
                 "round": round_,
@@ -190,6 +191,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(figures), flush=True)
     finally:
         server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=16, help="saturating clients")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="rawserve-isolation-"))
+    try:
+        measure(work, args.rounds, args.clients)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # two models, ~100 MB
     return 0
 
 
