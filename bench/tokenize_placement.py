@@ -31,7 +31,7 @@ import orjson
 
 from bench import load, servers
 from bench.models import minilm_path
-from rawserve.api.tokens import token_objects  # the same answers the server makes
+from rawserve.api.tokens import token_objects, tokens_json, utf8_starts  # the server's own
 
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
 BUSY_BATCH_SECONDS = 0.2
@@ -54,9 +54,18 @@ def tokenizing_handler() -> Callable[..., list[Any]]:
             time.sleep(sleep)
             return [None] * len(inputs)
         encodings = tokenizer.encode_batch(inputs)
-        return [[token_objects(e, t)] for e, t in zip(encodings, inputs, strict=True)]
+        return [[tei_tokens(e, t)] for e, t in zip(encodings, inputs, strict=True)]
 
     return handle
+
+
+def tei_tokens(encoding: Any, text: str) -> list[dict[str, Any]]:
+    """TEI's token objects for one whole input, as the server makes them (its offsets in
+    UTF-8 bytes): what a worker would send back for the server to write."""
+    raw = text.encode()
+    byte_at = None if len(raw) == len(text) else utf8_starts(text)
+    specials, names = encoding.special_tokens_mask, encoding.tokens
+    return token_objects(encoding.ids, encoding.offsets, specials, names, raw, byte_at, 0)
 
 
 # --- the server process's side --------------------------------------------------------
@@ -107,11 +116,10 @@ def in_process_costs() -> dict[str, dict[str, float]]:
     for name, texts in cases.items():
         repeats = 3 if name == "1_MiB_body" else 200
 
-        def answer(texts: list[str] = texts) -> bytes:
+        def answer(texts: list[str] = texts) -> bytes:  # as ServerTokenizer writes it
             encodings = tokenizer.encode_batch(texts)
-            return orjson.dumps(
-                [token_objects(e, t) for e, t in zip(encodings, texts, strict=True)]
-            )
+            parts = [tokens_json(e, t) for e, t in zip(encodings, texts, strict=True)]
+            return b"[" + b",".join(parts) + b"]"
 
         def encode_only(texts: list[str] = texts) -> Any:
             return tokenizer.encode_batch(texts)

@@ -80,3 +80,27 @@ def test_a_stream_is_whole_with_its_tokens_numbered_from_1_as_tgi_s(answer, whol
     from bench import chaos
 
     assert chaos.stream_whole(chaos.stream_events(answer)) is whole
+
+
+def test_the_tokenize_placement_worker_answers_as_the_server_does():
+    """bench.tokenize_placement's worker-side handler made TEI's tokens with an old
+    signature of rawserve.api.tokens.token_objects (a TypeError at its first request)."""
+    import orjson
+    import tokenizers
+
+    from bench import tokenize_placement
+    from rawserve.api.tokens import tokens_json
+
+    text = "Ça coûte 5 € — the quick brown fox"
+    [[answer]] = tokenize_placement.tokenizing_handler()([text])
+    tokenizer = tokenizers.Tokenizer.from_file(tokenize_placement.tokenizer_file())
+    tokenizer.no_padding()
+    assert answer == orjson.loads(tokens_json(tokenizer.encode(text), text))
+    assert answer[0]["special"]  # [CLS]
+    assert answer[1] == {
+        "id": answer[1]["id"],
+        "text": "Ça",
+        "special": False,
+        "start": 0,
+        "stop": 3,
+    }
