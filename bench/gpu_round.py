@@ -91,6 +91,9 @@ DRY_RUN_SLOWER = 4
 # what `--limit` keeps back: a stage's servers stopped, the summary and archive written
 LIMIT_MARGIN = 30.0
 ARCHIVE = "round.tar.gz"  # in `--back`
+# seconds a stopped round's running stage has to stop its servers and remove its files
+# (SIGINT: its `finally` blocks run) before its group is killed
+STOP_GRACE = 10.0
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,12 @@ def run_stage(stage: Stage, out: Path, python: str = sys.executable) -> dict[str
             process.wait(timeout=stage.seconds)
         except subprocess.TimeoutExpired:
             timed_out = True
+        except KeyboardInterrupt:  # the round is stopped (SIGINT or SIGTERM: `hear_stops`)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=STOP_GRACE)
+            raise
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
@@ -321,6 +330,16 @@ def chosen_stages(names: Sequence[str], out: Path, dry_run: bool) -> list[Stage]
     ]
 
 
+def hear_stops() -> None:
+    """SIGINT and SIGTERM (a timeout's, a kill's) both stop the round as KeyboardInterrupt
+    (`run_stage`): the running stage's group is stopped, then killed; the summary written.
+    A command started in the background (a shell's `&`, a runner's) inherits SIGINT
+    ignored, and Python then raises no KeyboardInterrupt: round.sh's stop went unheard;
+    SIGTERM's default ended the round at once, its stage left running in its own group."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.gpu_round", description=__doc__.splitlines()[0]
@@ -362,9 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "there (a lent machine's $OUT: what a command killed from outside still returns)",
     )
     args = parser.parse_args(argv)
-    # a command started in the background (a shell's `&`, a runner's) inherits SIGINT
-    # ignored, and Python then raises no KeyboardInterrupt: round.sh's stop went unheard
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    hear_stops()
     for flag, seconds in (("--budget", args.budget), ("--limit", args.limit)):
         if seconds is not None and not (0 < seconds < float("inf")):  # 0 read as "default"
             parser.error(f"{flag} must be a positive number of seconds, not {seconds:g}")

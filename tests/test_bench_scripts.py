@@ -3,6 +3,14 @@ second): what they read from a server's log, how they judge an answer, what --he
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from bench import servers
@@ -104,3 +112,54 @@ def test_the_tokenize_placement_worker_answers_as_the_server_does():
         "start": 0,
         "stop": 3,
     }
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a child ended but not yet reaped by anyone counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_gpu_round_stopped_by_sigterm_stops_its_stage_and_the_stage_s_servers(tmp_path):
+    """SIGTERM (a timeout's, a kill's) ended bench.gpu_round at once, and its stage, in a
+    session of its own, ran on orphaned, starting servers and leaving its temp folder: now
+    the stage is stopped as by Ctrl-C (its cleanup runs), then its group killed."""
+    (tmp_path / "starts_a_server.py").write_text(
+        "import pathlib, subprocess, sys, time\n"
+        "server = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "pathlib.Path('pid').write_text(str(server.pid))\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    pathlib.Path('cleaned').write_text('yes')\n"
+    )
+    code = (
+        "import sys; from pathlib import Path; from bench import gpu_round\n"
+        "gpu_round.hear_stops()\n"
+        "stage = gpu_round.Stage('stuck', 60, ('starts_a_server',))\n"
+        "found = gpu_round.run([stage], Path('out'), budget=100)\n"
+        "sys.exit(0 if gpu_round.succeeded(found) else 1)\n"
+    )
+    path = os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parent.parent)])
+    round_ = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}
+    )
+    try:
+        ends = time.monotonic() + 30
+        while not (tmp_path / "pid").is_file() and time.monotonic() < ends:
+            time.sleep(0.05)
+        server = int((tmp_path / "pid").read_text())
+        round_.send_signal(signal.SIGTERM)
+        assert round_.wait(timeout=20) == 1
+    finally:
+        round_.kill()
+    assert (tmp_path / "cleaned").read_text() == "yes"
+    ends = time.monotonic() + 5
+    while running(server) and time.monotonic() < ends:
+        time.sleep(0.05)
+    assert not running(server)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary == [{"stage": "stuck", "interrupted": True}]
