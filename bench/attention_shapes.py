@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench.gpu import missing_cuda
+
 CHOICES = ("default", "no-cudnn", "cudnn", "efficient", "math")
 
 
@@ -162,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--choices", nargs="+", choices=CHOICES, default=list(CHOICES))
     args = parser.parse_args(argv)
+    if said := missing_cuda(args.device):
+        parser.exit(2, f"{parser.prog}: {said} (or --device cpu)\n")
     import torch
     import transformers
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.gpu import missing_cuda
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -56,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a folder to build the model in, kept (default: a temporary one, removed at the end)",
     )
     args = parser.parse_args(argv)
+    if said := missing_cuda(args.device):
+        parser.exit(2, f"{parser.prog}: {said} (or --device cpu)\n")
     if args.work is not None:
         return compare(args, args.work)
     # the model weighs 419 MB: a folder left in /tmp outlives the run on a lent machine

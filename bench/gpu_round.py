@@ -80,6 +80,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.gpu import missing_cuda
+
 TAIL_LINES = 20
 # a lent machine sends back files of 16 MiB at most: the archive stays well inside that
 PACKED_FILE_LIMIT = 4 * 1024 * 1024
@@ -385,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag, seconds in (("--budget", args.budget), ("--limit", args.limit)):
         if seconds is not None and not (0 < seconds < float("inf")):  # 0 read as "default"
             parser.error(f"{flag} must be a positive number of seconds, not {seconds:g}")
+    if not args.dry_run and (said := missing_cuda()):  # (else each stage fails at its limit)
+        parser.exit(2, f"{parser.prog}: {said} (--dry-run runs every stage on the CPU, tiny)\n")
     wanted = args.stages or ([] if args.skipped_from else ["targets", "others"])
     if args.skipped_from:
         if not args.skipped_from.is_file():

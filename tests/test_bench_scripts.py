@@ -163,3 +163,32 @@ def test_a_gpu_round_stopped_by_sigterm_stops_its_stage_and_the_stage_s_servers(
     assert not running(server)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary == [{"stage": "stuck", "interrupted": True}]
+
+
+def test_a_gpu_benchmark_without_cuda_says_so_in_one_line(monkeypatch, capsys):
+    """bench.gpu_round without --dry-run on a torch without CUDA ran its GPU stages on the
+    CPU until each one's limit; bench.attention_shapes and bench.cuda_graphs ended in a
+    traceback. Now: one line, exit 2, before anything starts."""
+    from bench import gpu, gpu_round
+
+    assert gpu.missing_cuda("cpu") is None
+    monkeypatch.setattr(gpu_round, "missing_cuda", lambda device="cuda": "CUDA is not there")
+    with pytest.raises(SystemExit) as exited:
+        gpu_round.main(["--out", "/nonexistent/round", "--stages", "lone"])
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert said.startswith("python -m bench.gpu_round: CUDA is not there") and said.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ["attention_shapes", "cuda_graphs"])
+def test_a_gpu_benchmark_asked_for_cuda_on_a_torch_without_it_exits_2(name, capsys):
+    import importlib
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA")
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(f"bench.{name}").main(["--device", "cuda"])
+    assert exited.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err

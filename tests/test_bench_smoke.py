@@ -242,8 +242,10 @@ def test_the_gpu_round_packs_what_it_wrote_into_one_archive(tmp_path):
 
 
 def fake_round(monkeypatch, *found: gpu_round.Stage) -> None:
-    """`python -m bench.gpu_round` with these stages in place of the benchmarks."""
+    """`python -m bench.gpu_round` with these stages in place of the benchmarks, and a
+    GPU said to be there."""
     monkeypatch.setattr(gpu_round, "stages", lambda out, dry_run=False: list(found))
+    monkeypatch.setattr(gpu_round, "missing_cuda", lambda device="cuda": None)
 
 
 def test_a_gpu_round_that_skips_what_its_budget_cannot_hold_succeeds_and_names_it(
