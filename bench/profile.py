@@ -69,6 +69,12 @@ async def drive(
     return await load.closed_loop(port, requests, clients, seconds)
 
 
+def find_py_spy() -> str | None:
+    """py-spy on PATH, else beside this Python (a venv not activated); None if neither."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
     parser.add_argument("--scenario", default="classification")
@@ -84,7 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rawserve-args", default="")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "rawserve-prof")
     args = parser.parse_args(argv)
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    py_spy = find_py_spy()
+    if py_spy is None:  # said now, not after the server's start and warm-up (a minute)
+        said = "needs py-spy, not installed here: pip install -e .[bench] (or pip install py-spy)"
+        parser.exit(2, f"{parser.prog}: {said}\n")
     args.out.mkdir(parents=True, exist_ok=True)
     scenario = scenarios(args.out, [args.scenario])[0]
     server = servers.rawserve(

@@ -192,3 +192,19 @@ def test_a_gpu_benchmark_asked_for_cuda_on_a_torch_without_it_exits_2(name, caps
         importlib.import_module(f"bench.{name}").main(["--device", "cuda"])
     assert exited.value.code == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_the_profile_says_at_once_that_py_spy_is_missing(tmp_path, monkeypatch, capsys):
+    """bench.profile started a server and warmed it (a minute) before it found no py-spy."""
+    from bench import profile
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    assert profile.find_py_spy() is None
+    with pytest.raises(SystemExit) as exited:
+        profile.main(["--out", str(tmp_path / "prof")])
+    assert exited.value.code == 2 and "pip install -e .[bench]" in capsys.readouterr().err
+    assert not (tmp_path / "prof").exists()  # nothing started
+    (tmp_path / "py-spy").write_text("#!/bin/sh\n")
+    (tmp_path / "py-spy").chmod(0o755)
+    assert profile.find_py_spy() == str(tmp_path / "py-spy")
