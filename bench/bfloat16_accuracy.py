@@ -16,10 +16,12 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from bench import described
 from bench.workloads import texts
 from rawserve.models.folder import default_model, read_facts
 from rawserve.shared.messages import WorkerConfig
@@ -29,12 +31,14 @@ from rawserve.worker.loading import build_runner
 BATCH = 32
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bfloat16_accuracy", description=described(__doc__)
+    )
     parser.add_argument("--model", default=None, help="a model folder (default: the packaged)")
     parser.add_argument("--texts", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = args.model or default_model()
     facts = read_facts(Path(folder))

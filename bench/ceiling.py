@@ -211,13 +211,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.workloads import TEXT_SETS, texts
 
     parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--task", required=True)
+    parser.add_argument("--model", required=True, help="a model folder")
+    parser.add_argument(
+        "--task", required=True, help="its task: text-classification, feature-extraction, ..."
+    )
     parser.add_argument("--texts", choices=TEXT_SETS, default="short")
     parser.add_argument(
         "--sample", type=int, default=None, help="texts (default: 256; 1024 on a GPU)"
     )
-    parser.add_argument("--min-seconds", type=float, default=MIN_SECONDS)
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=MIN_SECONDS,
+        help=f"timed seconds per batch size, split into rounds (default: {MIN_SECONDS:g})",
+    )
     parser.add_argument("--batch-sizes", default=None, help="default: 1-64; 1-1024 on a GPU")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default=None, help="default: float32; float16 on a GPU")

@@ -48,7 +48,7 @@ from typing import Any
 
 import h11
 
-from bench import servers
+from bench import described, servers
 from bench.workloads import texts
 
 HOST = "127.0.0.1"  # loopback only, by design
@@ -665,9 +665,16 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--embed-clients", type=int, default=4)
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=described(__doc__))
+    parser.add_argument(
+        "--minutes", type=float, default=30.0, help="of traffic (the workers killed every minute)"
+    )
+    parser.add_argument(
+        "--embed-clients",
+        type=int,
+        default=4,
+        help="single-text clients (beside a list, an OpenAI and two stream clients)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument(
         "--workdir", type=Path, default=None, help="keep the servers' logs here (else removed)"

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import load, servers, spread
-from bench.models import Scenario, scenarios
+from bench.models import BUILDERS, Scenario, scenarios
 from bench.workloads import RAW_TEXT, BodyFormat, texts
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -573,7 +573,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"two on the CPU; {GPU_SERVERS} on a GPU)",
     )
     parser.add_argument(
-        "--scenarios", default="classification,token-embeddings,sentence-embeddings"
+        "--scenarios",
+        default="classification,token-embeddings,sentence-embeddings",
+        help=f"comma-separated, from {', '.join(BUILDERS)} (default: %(default)s)",
     )
     parser.add_argument("--clients", default=None, help="default: 1,4,16,64 (1,64,256 on a GPU)")
     parser.add_argument(
@@ -604,7 +606,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="requests per engine of --soak-model",
     )
     parser.add_argument("--text-sets", help="only these text sets (e.g. short), when given")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=DEFAULT_JSON,
+        help="write the figures here (default: the tracked bench/results.json; its picture "
+        "beside it, named after it)",
+    )
     parser.add_argument("--from-json", type=Path, help="only redo the table and picture")
     return parser.parse_args(argv)
 

@@ -31,7 +31,9 @@ def per_call_us(function, repeat: int = 7) -> float:
 def main(argv: Sequence[str] | None = None) -> None:
     # no options: --help says what it measures, rather than starting the measurement
     argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.encode_outputs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     ).parse_args(argv)
     rng = np.random.default_rng(0)
     print(

@@ -25,10 +25,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import servers
+from bench import described, servers
 from bench.load import build_request, connect
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -223,14 +224,16 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fault_run", description=described(__doc__)
+    )
     parser.add_argument("--model", help="model folder (default: the packaged MiniLM)")
     parser.add_argument("--handler", help="MODULE:FACTORY instead of a model")
-    parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--kills", type=int, default=20, help="times the worker is killed")
+    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
     parser.add_argument("--between", type=float, default=1.0, help="seconds of load per life")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = asyncio.run(run(args))
     print(json.dumps(result, indent=2))
 

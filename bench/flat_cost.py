@@ -94,12 +94,23 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.flat_cost", description=__doc__)
-    parser.add_argument("--clients", type=int, nargs="+", default=[64])
-    parser.add_argument("--batch-ms", type=float, default=8.0)
-    parser.add_argument("--turnaround-ms", type=float, default=3.0)
-    parser.add_argument("--max-batch-size", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument(
+        "--clients", type=int, nargs="+", default=[64], help="closed-loop clients, a run each"
+    )
+    parser.add_argument(
+        "--batch-ms", type=float, default=8.0, help="what a batch costs, whatever its items"
+    )
+    parser.add_argument(
+        "--turnaround-ms",
+        type=float,
+        default=3.0,
+        help="a client's pause between an answer and its next request: random, 0.5 to 2x this",
+    )
+    parser.add_argument("--max-batch-size", type=int, default=256, help="the scheduler's")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds of every run; medians are printed"
+    )
+    parser.add_argument("--seconds", type=float, default=4.0, help="seconds a run")
     report = asyncio.run(measure(parser.parse_args(argv)))
     print(json.dumps(report, indent=1))
     return 0

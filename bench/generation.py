@@ -33,6 +33,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bench import described
+
 FIXED_NEW_TOKENS = 64
 MIXED = (8, 256)
 POSITIONS = 512
@@ -227,7 +229,9 @@ def joins(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.generation", description=described(__doc__)
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)

@@ -51,7 +51,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from bench import generation_serving, load, servers
+from bench import described, generation_serving, load, servers
 
 CAPACITY_CLIENTS = 256  # past the rows of a CPU's workers (2 x 64) and a GPU's (256)
 CAPACITY_REQUESTS = 384
@@ -226,7 +226,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.generation_overload", description=__doc__.splitlines()[0]
+        prog="python -m bench.generation_overload", description=described(__doc__)
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--factor", type=float, default=3.0, help="times the capacity")

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import generation, servers
+from bench import described, generation, servers
 from bench.load import build_request, percentile, wait_until_serving
 
 VOCAB_SIZE = 8192
@@ -627,7 +627,7 @@ async def run(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.generation_serving", description=__doc__.splitlines()[0]
+        prog="python -m bench.generation_serving", description=described(__doc__)
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=120.0, help="seconds a scenario may run")

@@ -80,6 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import described
 from bench.gpu import missing_cuda
 
 TAIL_LINES = 20
@@ -344,7 +345,7 @@ def hear_stops() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.gpu_round", description=__doc__.splitlines()[0]
+        prog="python -m bench.gpu_round", description=described(__doc__)
     )
     parser.add_argument("--out", type=Path, required=True, help="a folder for the logs")
     parser.add_argument(

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import spread
+from bench import described, spread
 from bench.load import build_request, wait_until_serving, warm_up
 from bench.servers import cpu_seconds, descendants, rawserve
 
@@ -134,7 +134,7 @@ async def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.http_processes", description=__doc__.split("\n")[0]
+        prog="python -m bench.http_processes", description=described(__doc__)
     )
     parser.add_argument("--processes", type=int, nargs="+", default=None)
     parser.add_argument("--loops", nargs="+", default=["asyncio", "uvloop"])

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import h11
 
+from bench import described
 from bench.load import build_request, wait_until_serving
 from bench.models import build_classifier
 from bench.servers import REPO_ROOT, rawserve
@@ -194,8 +195,10 @@ def measure(work: Path, rounds: int, clients: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.isolation", description=described(__doc__)
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="alone, then beside the saturated")
     parser.add_argument("--clients", type=int, default=16, help="saturating clients")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="rawserve-isolation-"))

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import described
 from bench.workloads import RAW_TEXT, TEXT_SETS, BodyFormat, texts
 
 HOST = "127.0.0.1"  # loopback only, by design
@@ -566,9 +567,7 @@ def workers_starting(port: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.load", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.load", description=described(__doc__))
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--texts", choices=TEXT_SETS, default="short")
     parser.add_argument("--json-params", help='send JSON bodies with these parameters, e.g. "{}"')

@@ -31,8 +31,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import load, servers
-from bench.models import scenarios
+from bench import described, load, servers
+from bench.models import BUILDERS, scenarios
 from bench.workloads import texts
 
 TIMING = re.compile(r"(\w+);dur=([0-9.]+)")
@@ -78,9 +78,11 @@ def report(config: str, found: dict[str, list[float]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.lone_request", description=__doc__.splitlines()[0]
+        prog="python -m bench.lone_request", description=described(__doc__)
     )
-    parser.add_argument("--scenario", default="classification")
+    parser.add_argument(
+        "--scenario", choices=BUILDERS, default="classification", help="the comparison's model"
+    )
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument(
         "--config", action="append", help="rawserve's options for one run (repeatable)"

@@ -66,7 +66,9 @@ def measure(aliases: Sequence[str], devices: str, logs: Path) -> tuple[float, li
 def main(argv: Sequence[str] | None = None) -> int:
     # no options: --help says what it measures, rather than starting the measurement
     argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.model_memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     ).parse_args(argv)
     print("| served | server RSS | worker RSS (each) | total |")
     print("| --- | --- | --- | --- |")

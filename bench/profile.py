@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench import load, servers
 from bench.compare import body_format
-from bench.models import scenarios
+from bench.models import BUILDERS, scenarios
 from bench.workloads import TEXT_SETS, texts
 
 OPEN_LOOP_DEADLINE = 2.0  # X-Request-Timeout in open loop, as in the comparison's overload
@@ -77,7 +77,9 @@ def find_py_spy() -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
-    parser.add_argument("--scenario", default="classification")
+    parser.add_argument(
+        "--scenario", choices=BUILDERS, default="classification", help="the comparison's model"
+    )
     parser.add_argument("--texts", choices=TEXT_SETS, default="short")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument(

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from bench import described
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.ops.metrics import Metrics
@@ -173,7 +174,9 @@ def per_refusal(requests: int, loop: asyncio.AbstractEventLoop, queue: int = 256
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.refusal_cost", description=described(__doc__)
+    )
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--queue", type=int, default=256, help="--max-queue, full")

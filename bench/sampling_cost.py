@@ -87,7 +87,9 @@ def measure(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.sampling_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--vocabulary", type=int, default=50257)
     parser.add_argument("--rows", type=int, default=64)

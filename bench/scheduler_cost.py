@@ -21,6 +21,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from bench import described
 from rawserve.ops.loops import run as run_on_loop
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
@@ -123,14 +124,18 @@ async def one_round(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.scheduler_cost", description=__doc__.split("\n")[0]
+        prog="python -m bench.scheduler_cost", description=described(__doc__)
     )
-    parser.add_argument("--clients", type=int, default=256)
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-ms", type=float, default=0.5)
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
+    parser.add_argument("--clients", type=int, default=256, help="closed-loop one-text clients")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds a round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; the cheapest is printed")
+    parser.add_argument(
+        "--batch-ms", type=float, default=0.5, help="the stand-in pool answers a batch after this"
+    )
+    parser.add_argument("--max-batch-size", type=int, default=64, help="the scheduler's")
+    parser.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default="uvloop", help="the event loop"
+    )
     args = parser.parse_args(argv)
     rounds = [
         run_on_loop(

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bench import servers
+from bench import described, servers
 from bench.load import (
     Connection,
     build_request,
@@ -465,10 +465,22 @@ def lists(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.scheduler_mixed_lengths")
-    parser.add_argument("mode", choices=("compare", "overload", "delay", "lists"))
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scheduler_mixed_lengths", description=described(__doc__)
+    )
+    parser.add_argument(
+        "mode",
+        choices=("compare", "overload", "delay", "lists"),
+        help="compare: count-only against cost-aware batching, side by side, on mixed "
+        "lengths; overload: cost-aware batching at --overload times its capacity, each "
+        "request due --deadline after it is sent; delay: the --delays candidates at 1 and 8 "
+        "clients; lists: bursts of --lists lists of --list-size texts, --gap ms apart, each "
+        "due --deadline after it is sent",
+    )
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per load run")
-    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument(
+        "--clients", type=int, default=64, help="closed-loop clients (compare; overload's capacity)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="compare: A/B pairs")
     parser.add_argument("--requests", type=int, default=640, help="mixed texts used")
     parser.add_argument("--overload", type=float, default=3.0, help="times the capacity")

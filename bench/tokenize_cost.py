@@ -51,7 +51,9 @@ def collate(ids: list[list[int]]) -> tuple[Any, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     # no options: --help says what it measures, rather than starting the measurement
     argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.tokenize_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     ).parse_args(argv)
     import tokenizers
     import transformers

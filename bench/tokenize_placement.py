@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from bench import load, servers
+from bench import described, load, servers
 from bench.models import minilm_path
 from rawserve.api.tokens import token_objects, tokens_json, utf8_starts  # the server's own
 
@@ -204,7 +204,9 @@ async def over_http(port: int, count: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tokenize_placement", description=described(__doc__)
+    )
     parser.add_argument("--requests", type=int, default=500)
     args = parser.parse_args(argv)
     report: dict[str, Any] = {"load": load_cost(), "in_process": in_process_costs()}

@@ -3,6 +3,7 @@ second): what they read from a server's log, how they judge an answer, what --he
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -208,3 +209,67 @@ def test_the_profile_says_at_once_that_py_spy_is_missing(tmp_path, monkeypatch, 
     (tmp_path / "py-spy").write_text("#!/bin/sh\n")
     (tmp_path / "py-spy").chmod(0o755)
     assert profile.find_py_spy() == str(tmp_path / "py-spy")
+
+
+# every benchmark with options, and the options the tester found unexplained
+BENCHMARKS = sorted(
+    path.stem
+    for path in (Path(__file__).resolve().parent.parent / "bench").glob("*.py")
+    if "ArgumentParser(" in path.read_text()
+)
+EXPLAINED = {
+    "ceiling": ["--model", "--task", "--min-seconds"],
+    "flat_cost": "all",
+    "scheduler_cost": "all",
+    "fault_run": ["--kills", "--concurrency"],
+    "chaos": ["--minutes"],
+    "compare": ["--scenarios", "--json"],
+    "lone_request": ["--scenario"],
+    "scheduler_mixed_lengths": "all",
+}
+
+
+def parser_of(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The benchmark's parser, as its main builds it (nothing runs)."""
+    import importlib
+
+    built = []
+
+    def caught(parser, args=None, namespace=None):
+        built.append(parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"bench.{name}").main([])
+    return built[0]
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_benchmark_s_help_names_its_command_and_says_whole_sentences(name, monkeypatch):
+    """Usage said "chaos.py", and `__doc__.splitlines()[0]` cut a wrapped sentence."""
+    import importlib
+
+    parser = parser_of(name, monkeypatch)
+    assert parser.prog == f"python -m bench.{name}"
+    first = importlib.import_module(f"bench.{name}").__doc__.strip().split("\n\n")[0]
+    assert " ".join(first.split()) in " ".join(parser.format_help().split())
+    wanted = EXPLAINED.get(name, [])
+    for action in parser._actions:
+        named = action.option_strings[0] if action.option_strings else action.dest
+        if wanted == "all" or named in wanted:
+            assert action.help, f"{name} {named}"
+
+
+def test_a_benchmark_s_description_is_its_docstring_s_first_paragraph():
+    from bench import described
+
+    assert described("One sentence,\nwrapped.\n\nMore.\n") == "One sentence,\nwrapped."
+
+
+@pytest.mark.parametrize("name", ["lone_request", "profile"])
+def test_the_scenario_names_a_benchmark_takes_are_listed(name, monkeypatch):
+    from bench.models import BUILDERS
+
+    usage = parser_of(name, monkeypatch).format_usage()
+    assert all(scenario in usage for scenario in BUILDERS)
