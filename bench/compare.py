@@ -669,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = report.ratio_table(results)
     print(table)
     picture = report.plot(results, picture_path(args))
+    if picture is None:  # (skipped silently before: the picture RESULTS.md shows went stale)
+        log("no picture: matplotlib is not installed (pip install -e .[bench])")
     if args.record:
         report.record(results, table, picture, BENCH_DIR / "RESULTS.md")
     failed = failed_servers(results)

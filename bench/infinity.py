@@ -138,8 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.infinity", description=__doc__)
     parser.add_argument("--setup", action="store_true", help="make the environment and exports")
     args = parser.parse_args(argv)
-    if args.setup:
-        setup()
+    if not args.setup:  # (it did nothing and exited 0: read as a setup done)
+        parser.error("nothing to do without --setup (bench.compare starts Infinity's servers)")
+    setup()
     return 0
 
 

@@ -46,6 +46,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench import described, servers
@@ -81,19 +82,27 @@ def serve(*args: str) -> Iterator[int]:
         port = probe.getsockname()[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": CODE[0]}
     command = [sys.executable, "-m", "rawserve", "--host", "127.0.0.1", "--port", str(port)]
-    with open(os.path.join(tempfile.gettempdir(), f"rawserve-bench-{port}.log"), "wb") as log:
-        process = subprocess.Popen(
-            [*command, "--log-level", "warning", *args, *SERVER_ARGS],  # restarts, failures
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            env=env,
-            cwd=CODE[0],  # `python -m` puts the working folder first on the path
-        )
-        try:
-            yield port
-        finally:
-            servers.terminate(process, 30)
+    log_path = Path(tempfile.gettempdir()) / f"rawserve-bench-{port}.log"
+    try:
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [*command, "--log-level", "warning", *args, *SERVER_ARGS],  # restarts, failures
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=env,
+                cwd=CODE[0],  # `python -m` puts the working folder first on the path
+            )
+            try:
+                yield port
+            except Exception:  # its last words, before its log goes
+                said = log_path.read_text(errors="replace").splitlines()[-20:]
+                print("\n".join(said), file=sys.stderr)
+                raise
+            finally:
+                servers.terminate(process, 30)
+    finally:
+        log_path.unlink(missing_ok=True)  # one a server: they piled up in /tmp
 
 
 async def ready(port: int, requests: Sequence[bytes]) -> None:

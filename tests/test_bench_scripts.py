@@ -273,3 +273,12 @@ def test_the_scenario_names_a_benchmark_takes_are_listed(name, monkeypatch):
 
     usage = parser_of(name, monkeypatch).format_usage()
     assert all(scenario in usage for scenario in BUILDERS)
+
+
+def test_bench_infinity_without_setup_says_there_is_nothing_to_do(capsys):
+    """It did nothing and exited 0, as if a setup had been made."""
+    from bench import infinity
+
+    with pytest.raises(SystemExit) as exited:
+        infinity.main([])
+    assert exited.value.code == 2 and "--setup" in capsys.readouterr().err
