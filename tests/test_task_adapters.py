@@ -1460,6 +1460,20 @@ def test_generation_stops_at_a_stop_sequence(runner):
     assert stopped["details"]["finish_reason"] == "stop_sequence"
 
 
+def test_a_seeded_generation_leaves_torch_s_generators_as_they_were(runner):
+    """Run whole (`--generation static`, or a beam search's config), a seeded sample
+    seeded torch for good: every unseeded one after it, another client's, drew the same
+    text."""
+    import torch
+
+    generate = runner("text-generation")
+    params = {"max_new_tokens": 4, "do_sample": True, "return_full_text": False}
+    before = torch.random.get_rng_state()
+    [[seeded]] = generate.run(["hello"], {**params, "seed": 7})
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert generate.run(["hello"], {**params, "seed": 7}) == [[seeded]]  # (seeded still)
+
+
 class FakeFlag:
     def __init__(self):
         self.value = 0

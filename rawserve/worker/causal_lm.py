@@ -13,6 +13,7 @@ settings of each request, the answer's shape, and the items it hands the continu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
@@ -800,18 +801,17 @@ class CausalLMRunner(Runner):
             for part in ([[row] for row in rows] if seeded else [rows])
         ]
         for cap, rows in calls:
-            if seeded:
-                torch.manual_seed(generator_seed(params["seed"]))
             width = max(lengths[row] for row in rows)  # the group's own left padding
             group = {name: value[rows, -width:] for name, value in encoded.items()}
-            watcher = self._generate(
-                group,
-                rows,
-                [inputs[row] for row in rows],
-                {**kwargs, "max_new_tokens": cap},
-                params,
-                control,
-            )
+            with self._seeded(params["seed"] if seeded else None):
+                watcher = self._generate(
+                    group,
+                    rows,
+                    [inputs[row] for row in rows],
+                    {**kwargs, "max_new_tokens": cap},
+                    params,
+                    control,
+                )
             for index, row in enumerate(rows):
                 tokens = None if watcher.tokens is None else watcher.tokens[index]
                 made[row] = (watcher.token_ids[index], watcher.finish_reasons[index], tokens)
@@ -836,6 +836,18 @@ class CausalLMRunner(Runner):
                 )
             )
         return outputs
+
+    @contextlib.contextmanager
+    def _seeded(self, seed: int | None) -> Iterator[None]:
+        """Torch's generators seeded with `seed` (None: left as they are) for one
+        `generate` call, and given back as they were after it: seeded for good, every
+        unseeded sample after it, another client's, drew the same text."""
+        if seed is None:
+            yield
+            return
+        with torch.random.fork_rng(devices=[self.device] if self.on_cuda else []):
+            torch.manual_seed(generator_seed(seed))
+            yield
 
     def _generate(
         self,
