@@ -28,8 +28,8 @@ def imported_after(code: str) -> set[str]:
 
 def test_naming_another_model_never_imports_the_default_models_package():
     code = (
-        "import rawserve.main, rawserve.models.plan, rawserve.models.folder\n"
-        "rawserve.models.folder.served_name('/models/bge')"
+        "import rawserve.main, rawserve.models.plan, rawserve.models.names as n\n"
+        "n.default_names(n.parse_model_spec('/models/bge'))"
     )
     assert DEFAULT_MODEL_PACKAGE not in imported_after(code)
 

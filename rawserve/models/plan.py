@@ -23,7 +23,6 @@ from rawserve.models.folder import (
     default_model,
     infer_task,
     read_facts,
-    served_name,
 )
 from rawserve.models.hub import (
     ModelNotFound,
@@ -120,7 +119,7 @@ def _plans(
     if handler:
         if models:
             raise ModelNotFound("--handler serves its own callable: give no --model with it")
-        return [ModelPlan((served_name(None, handler),), handler, None, handler=handler)]
+        return [ModelPlan((handler,), handler, None, handler=handler)]
     specs = []
     for text in models:
         try:

@@ -285,7 +285,6 @@ class CausalLMRunner(Runner):
         self.grammars = Grammars(self.tokenizer, self.model.get_output_embeddings().out_features)
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
-        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         self.decode_graphs = False  # the continuous batch's steps replayed (a GPU)
         # why the continuous loop cannot run this model ("": it can), decided at load
         self.uncached = self._without_kv_cache()
@@ -766,9 +765,6 @@ class CausalLMRunner(Runner):
     def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
         """Where token chunks go (the worker's pipe) and where cancellations come from."""
         self.send, self.cancelled_stream = send, cancelled_stream
-
-    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
-        self.batch_cancelled = cancelled
 
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL

@@ -63,7 +63,6 @@ class PipelineRunner(Runner):
         self, model: str, task: str, device: str, dtype: str, onnx: OnnxNetwork | None = None
     ):
         untrained = None
-        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         if onnx is None and task in TASK_CLASSES:
             # the model loaded here, not by the pipeline: so as to learn what its
             # checkpoint left untrained (the class is the pipeline's own for the task)
@@ -224,9 +223,6 @@ class PipelineRunner(Runner):
                 yield blank_image()
             else:
                 yield decode_image(item, squashed)
-
-    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
-        self.batch_cancelled = cancelled
 
     def unless_abandoned(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         """The model's forward pass, skipped once nobody waits for the batch (its clients

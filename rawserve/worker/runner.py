@@ -373,6 +373,7 @@ class Runner:
         self.bfloat16_trial = ""  # what bfloat16 would give on this CPU ("": not tried)
         self.attention = ""  # the attention kernels chosen on a GPU ("": torch's own)
         self.tokenizer = tokenizer  # None: inputs are not text (or not tokenized here)
+        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         # the token ids the model has an embedding for (None: not known, a handler's): a
         # tokenizer given tokens without `resize_token_embeddings` makes ids past them
         self.embedding_rows = embedding_rows
@@ -491,8 +492,9 @@ class Runner:
         """Runners that stream tokens get the worker's pipe and the cancel flag here."""
 
     def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
-        """Runners that can stop a batch midway (a generation, at its next token) get here
-        what says that nobody waits for the batch they run any more."""
+        """What says that nobody waits for the batch running any more, for the runners
+        that can stop one midway (a generation, at its next token)."""
+        self.batch_cancelled = cancelled
 
     def count_tokens(self, inputs: list[Any], tokenizer: Any = None) -> list[int] | None:
         """Real tokens per text input (for the server's length estimate); None if unknown.

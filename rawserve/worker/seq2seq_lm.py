@@ -116,7 +116,6 @@ class Seq2SeqLMRunner(Runner):
             declared = undeclared_input_tokens(self.model.config)
         self.input_limit: int = self.position_limit or declared
         self.defaults = self.pipeline_defaults()
-        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
 
     @property
     def limits(self) -> ModelLimits:
@@ -141,9 +140,6 @@ class Seq2SeqLMRunner(Runner):
     def details(self) -> dict[str, Any]:
         # what an input is cut to by default (/info's, and /tokenize's "truncate")
         return {"translations": sorted(self.directions), "max_input_length": self.input_limit}
-
-    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
-        self.batch_cancelled = cancelled
 
     def pipeline_defaults(self) -> dict[str, Any]:
         """Step 2: what the pipeline set where the model's generation config says nothing."""

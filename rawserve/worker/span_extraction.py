@@ -22,7 +22,6 @@ zero-score spans fill a short list, so they are kept as they were.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +70,6 @@ class SpanExtractionRunner(Runner):
     """question-answering on an `AutoModelForQuestionAnswering` (start/end logits)."""
 
     def __init__(self, model: str, device: str, torch_dtype: Any, onnx: OnnxNetwork | None = None):
-        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
         untrained = None
         if onnx is None:
@@ -218,9 +216,6 @@ class SpanExtractionRunner(Runner):
                 f"{options.max_seq_len}) to the context, and doc_stride {options.doc_stride} "
                 f"must be less than that: send a smaller doc_stride or a larger max_seq_len"
             ) from None
-
-    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
-        self.batch_cancelled = cancelled
 
     def refuse_unread_parts(self, encoded: Any, inputs: int) -> None:
         """A question or context the tokenizer reads as no token at all (zero-width
