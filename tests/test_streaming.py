@@ -257,6 +257,29 @@ async def test_closing_the_stream_cancels_the_request_and_the_generation():
     await asyncio.wait_for(scheduler.cancelled.wait(), 5)
 
 
+async def test_a_stream_stopped_for_tokens_left_unread_is_freed_after():
+    """Each stream stopped for tokens its client left unread raised one error made once
+    for all: a raise adds its frames to the error's traceback, so every such stream, and
+    the text sent with it, was held for the process's life (37 KiB each, by a tester)."""
+
+    def streams_held() -> int:
+        gc.collect()
+        return sum(isinstance(held, TokenStream) for held in gc.get_objects())
+
+    before = streams_held()
+    for _ in range(3):
+        executor = FakeExecutor()
+        output = {"generated_text": "", "details": {}}
+        scheduler = FakeScheduler(executor, [" a"] * 100_000, output)  # (runs on, unread)
+        response = await open_stream(scheduler, executor)
+        await asyncio.wait_for(scheduler.cancelled.wait(), 10)  # nothing read: stopped
+        events = await collect(response)
+        assert events[-1]["error_type"] == "unavailable"
+        assert "tokens or more unread" in events[-1]["error"]
+        del response, events
+    assert streams_held() == before
+
+
 class KeptChunks(FakeExecutor):
     """Keeps a weak reference to every token chunk its streams are sent."""
 

@@ -61,9 +61,16 @@ STREAM_BUFFER_TOKENS = 1024
 UNREAD_SECONDS = 1.0
 # ... and whatever the reads, never more than this many wait (the memory they take)
 STREAM_HOLD_TOKENS = 4 * STREAM_BUFFER_TOKENS
-OVERFLOW = ServiceUnavailable(
-    f"the stream was stopped: its client left {STREAM_BUFFER_TOKENS} tokens or more unread"
-)
+
+
+def overflowed() -> ServiceUnavailable:
+    """A stream's end for tokens left unread: made anew each time (one error raised by
+    every such stream grew its traceback by each raise's frames, and they held every
+    stream it ended, the text sent with it, for the process's life)."""
+    return ServiceUnavailable(
+        f"the stream was stopped: its client left {STREAM_BUFFER_TOKENS} tokens or more unread"
+    )
+
 
 # What a stream silent for its keep-alive interval is sent: an SSE comment
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -167,7 +174,7 @@ class TokenStream:
                 stream.overflowed = True
                 stream.close()  # the end (None) is queued when the run is cancelled
         # told now: a client that never reads again never gets the event
-        self.ended_with(OVERFLOW)
+        self.ended_with(overflowed())
 
     async def start(self, patience: float | None = None) -> None:
         """Wait for the first token, `patience` seconds at most (None: as long as it
@@ -204,7 +211,7 @@ class TokenStream:
         (a failure of the server's own, a bug, as a 500 whose traceback is logged: the
         stream ends with its error event, where it was cut off without one)."""
         if self.overflowed:
-            raise OVERFLOW
+            raise overflowed()
         try:
             [result] = self.run.result()
         except HTTPError:
