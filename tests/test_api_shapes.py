@@ -1054,6 +1054,37 @@ def test_teis_embed_routes_refuse_token_ids_the_model_cannot_read(path, document
     assert message in json.loads(answer.body)["error"]
 
 
+def test_the_requests_that_come_as_a_tokenizer_is_built_wait_for_that_one_build(
+    tiny_model, monkeypatch
+):
+    """Each request that came before the model's tokenizer was built (just after ready)
+    built one of its own: 20 at once, 20 builds; one that fails is built anew after."""
+    from types import SimpleNamespace
+
+    from rawserve.api import tokens
+
+    tokenizer = (Path(tiny_model("sentence-embedding")) / "tokenizer.json").read_text()
+    built, real = [], tokens.ServerTokenizer
+
+    def counted(source):
+        built.append(source)
+        if len(built) == 1:
+            raise OSError("the first build fails")
+        return real(source)
+
+    monkeypatch.setattr(tokens, "ServerTokenizer", counted)
+    loaded = SimpleNamespace(tokenizer=tokenizer)
+    model = SimpleNamespace(name="m", serving=SimpleNamespace(loaded=loaded))
+    kept = tokens.ServerTokenizers()
+
+    async def twenty():
+        return await asyncio.gather(*(kept.get(model) for _ in range(20)), return_exceptions=True)
+
+    assert all(isinstance(got, OSError) for got in asyncio.run(twenty()))
+    got = asyncio.run(twenty())
+    assert len(built) == 2 and len({id(each) for each in got}) == 1
+
+
 @pytest.mark.parametrize("path", ["/embed", "/embed_all"])
 def test_teis_embed_routes_take_texts_and_token_ids_mixed_as_tei_does(path, tiny_model):
     """TEI's `inputs` may mix texts and token ids in one batch, and with `prompt_name` it

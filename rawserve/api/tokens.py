@@ -20,6 +20,7 @@ Offsets are counted in UTF-8 bytes, as TEI gives them (the library counts charac
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -212,18 +213,30 @@ class ServerTokenizers:
 
     def __init__(self) -> None:
         self._by_model: dict[str, ServerTokenizer] = {}
+        self._building: dict[str, asyncio.Future[ServerTokenizer]] = {}
 
     async def get(self, model: ServedModel) -> ServerTokenizer | None:
         """None while the model is not loaded, or when its tokenizer has no `tokenizers`
-        form (a slow one)."""
+        form (a slow one). The requests that come while it is built wait for that one
+        build (each built its own: 20 at once, 20 builds, of 40 ms and 15 MiB each for
+        MiniLM's)."""
         tokenizer = self._by_model.get(model.name)
-        if tokenizer is None:
-            loaded = model.serving.loaded
-            if loaded is None or loaded.tokenizer is None:
-                return None
-            tokenizer = await asyncio.to_thread(ServerTokenizer, loaded.tokenizer)
-            self._by_model[model.name] = tokenizer
-        return tokenizer
+        if tokenizer is not None:
+            return tokenizer
+        loaded = model.serving.loaded
+        if loaded is None or loaded.tokenizer is None:
+            return None
+        building = self._building.get(model.name)
+        if building is None:
+            building = asyncio.ensure_future(asyncio.to_thread(ServerTokenizer, loaded.tokenizer))
+            self._building[model.name] = building
+            building.add_done_callback(functools.partial(self._built, model.name))
+        return await asyncio.shield(building)  # (a waiter cancelled leaves it to the others)
+
+    def _built(self, name: str, building: asyncio.Future[ServerTokenizer]) -> None:
+        del self._building[name]
+        if not building.cancelled() and building.exception() is None:  # (else: built anew)
+            self._by_model[name] = building.result()
 
 
 def tokens_json(encoding: Any, text: str, start: int = 0) -> bytes:
