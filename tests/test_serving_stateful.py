@@ -782,6 +782,58 @@ def test_of_inputs_run_apart_only_the_one_its_worker_died_running_is_answered_50
     assert outcomes == [Reason.MODEL_FAILED, Reason.LOADING, Reason.LOADING], outcomes
 
 
+def test_copies_of_an_input_quarantined_as_they_wait_are_refused_not_run(loaded):
+    """A list of one poison input three times: its copies run again alone after their
+    batch crashed, and once one copy's crashes quarantine it, the copies still waiting
+    are refused without running (each took the worker down again: five deaths, not
+    three)."""
+    serving = loaded(max_batch_size=4)
+    worker = serving.pool.workers[0]
+    copies = serving.arrive(["poison"] * 3, {}, timeout=600.0)
+    for backoff in (0.5, 1.0, 2.0):
+        serving.crash(worker)
+        serving.advance(backoff)
+        serving.load(worker)
+    assert sent(serving) == [("poison",) * 3, ("poison",), ("poison",)]  # three deaths
+    assert copies.outcome == "results" and not serving.answerable()
+    outputs = [end.output for end in copies.ends[0][1]]
+    assert sorted(map(str, outputs)) == sorted(map(str, [CRASHED_ALONE, *[REFUSED_POISON] * 2]))
+
+
+def test_an_input_answered_when_run_again_after_an_outside_kill_is_forgotten(loaded):
+    """An input whose one crash alone is remembered (a kill -9 as it ran), answered when
+    run again alone, is forgotten: kept, three such kills an hour apart from each other's
+    answers quarantined an innocent input."""
+    serving = loaded(max_batch_size=4)
+    worker = serving.pool.workers[0]
+    for send in range(3):
+        innocent = serving.arrive(["innocent"], {}, timeout=600.0)
+        serving.crash(worker)  # a kill -9 as it runs alone
+        serving.advance(5.0)
+        serving.load(worker)
+        ((_, conn, batch),) = serving.answerable()
+        assert batch.inputs == ("innocent",)
+        serving.answer(worker, conn, batch)
+        assert innocent.outcome == "results", send
+        assert innocent.ends[0][1][0].output == ("out", "innocent")
+        assert serving.pool.poison.times(PoisonMemory.key("innocent", {})) == 0
+
+
+def test_the_batch_mates_of_a_hang_nobody_waits_for_run_alone_when_they_come_again(loaded):
+    """A batch of several killed as hung, its deadlines past: its inputs are suspects, run
+    alone when they come again, where the one that hangs is counted (each send of it in a
+    batch hung the worker, counted for nothing, until /health said 503)."""
+    serving = loaded(max_batch_size=4)
+    worker = serving.pool.workers[0]
+    serving.arrive(["hang", "mate"], {}, timeout=1.0)
+    serving.advance(2 * BATCH_TIMEOUT)  # killed as hung, nobody waiting any more
+    serving.reap(worker)
+    serving.advance(1.0)
+    serving.load(worker)
+    serving.arrive(["hang", "mate"], {}, timeout=600.0)
+    assert sent(serving) == [("hang", "mate"), ("hang",)]  # alone, each in turn
+
+
 def test_a_crashed_batch_s_inputs_run_alone_only_where_the_worker_serves_no_rows(loaded):
     """A continuous worker would take no new sequence until it ran each such input alone,
     idle: there, they are sent as any other (an innocent prompt a kill -9 met held a

@@ -616,7 +616,12 @@ class WorkerPool(PoolReports):
         while (found := self._next_retry()) is not None:
             worker, retry = found
             self._retries.remove(retry)
-            self._send(worker, retry)
+            if len(retry.inputs) == 1 and self.supervisor.is_poison(retry.inputs[0], retry.params):
+                # a copy of an input quarantined as it waited (a list of it three times:
+                # each copy took the worker down again, five deaths)
+                self._refuse_poison(retry, [0])
+            else:
+                self._send(worker, retry)
 
     def _next_retry(self) -> tuple[WorkerHandle, Job] | None:
         """A worker and the first retry it may run now (its own, or anyone's): on an idle
@@ -754,11 +759,12 @@ class WorkerPool(PoolReports):
                 "worker %s: its %d items run again alone%s; one that hangs alone is refused "
                 "after %d such hangs",
                 worker.label,
-                len(job.inputs),
+                len(job.inputs) - len(job.gone),
                 job_requests(job),
                 self.poison.strikes,
                 extra=request_named(job),
             )
+            self._suspect(job, sorted(job.gone), items)  # (not run again: which was it?)
             self._retry_alone(job, None)
             return
         if decision is LostBatch.QUARANTINED:  # counted as a crash's is
@@ -989,8 +995,8 @@ class WorkerPool(PoolReports):
             )
             worker.batch_cap = result.effective_batch_cap
         job.answer(replace(result, waited=job.waited) if job.waited else result)
-        if job.isolated:  # (it ran alone, and did not crash its worker)
-            self.poison.cleared(PoisonMemory.key(job.inputs[0], job.params))
+        if job.isolated or job.poison_key is not None:  # (it ran alone, and did not crash)
+            self.poison.cleared(job.poison_key or PoisonMemory.key(job.inputs[0], job.params))
         if not self._closing:
             self._pump()
 
