@@ -455,9 +455,6 @@ class Idle:
     max_batch_size = 32
     most_admitted = None  # no bound of its own
 
-    def refuses(self, deadline=None):
-        return False
-
     def admission(self, deadline=None):
         return None
 

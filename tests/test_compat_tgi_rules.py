@@ -178,9 +178,6 @@ class GeneratingQueue:
         self.most_admitted: int | None = None  # no bound of its own
         self.params: list[Mapping[str, Any]] = []
 
-    def refuses(self, deadline: float | None = None) -> bool:
-        return False
-
     def admission(self, deadline: float | None = None) -> Refusal | None:
         return None
 

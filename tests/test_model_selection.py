@@ -46,9 +46,6 @@ class AnsweringQueue:
         self.most_admitted: int | None = None  # no bound of its own
         self.calls: list[list[Any]] = []
 
-    def refuses(self, deadline: float | None = None) -> bool:
-        return self.full
-
     def admission(self, deadline: float | None = None) -> Refusal | None:
         return Refusal(Reason.QUEUE_FULL, "the queue is full", 1.0) if self.full else None
 

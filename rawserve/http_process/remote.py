@@ -247,12 +247,9 @@ class RemoteServing:
             link.pending.pop(rid, None)
             link.late.forget(rid)
 
-    def refuses(self, deadline: float | None = None) -> bool:
+    def admission(self, deadline: float | None = None) -> Refusal | None:
         # (the board says only whether the queue is full: a deadline is the serving
         # process's to judge, with the request)
-        return self.full
-
-    def admission(self, deadline: float | None = None) -> Refusal | None:
         if not self.board.flag(self.index, FULL):
             return None
         self.count_refusal()

@@ -265,15 +265,9 @@ class Scheduler:
         """The most items one request may ever be admitted with (`SchedulerCore`'s)."""
         return self.core.most_admitted
 
-    def refuses(self, deadline: float | None = None) -> bool:
-        """Whether any request would be refused now: the queue full, or (given the
-        request's deadline) a generation's wait for a row past it, whatever it asks
-        (`SchedulerCore.refuses_any_sequence`)."""
-        return self._busy(deadline, self.clock()) is not None
-
     def admission(self, deadline: float | None = None) -> Refusal | None:
-        """The refusal any request would get now (`refuses`; counted as rejected), with
-        its Retry-After; None while it may be taken."""
+        """The refusal any request would get now, whatever it asks (`_busy`; counted as
+        rejected), with its Retry-After; None while it may be taken."""
         now = self.clock()
         busy = self._busy(deadline, now)
         if busy is None:
@@ -281,7 +275,8 @@ class Scheduler:
         return self._refusal(busy(self.core.retry_after(now)), 1).refusal
 
     def _busy(self, deadline: float | None, now: float) -> type[QueueFull] | None:
-        """Why any request due at `deadline` would be refused now (`refuses`), if so."""
+        """Why any request due at `deadline` would be refused now, if so: the queue full,
+        or a generation's wait for a row past it (`SchedulerCore.refuses_any_sequence`)."""
         if self.full:
             return QueueFull
         if deadline is not None and self.core.refuses_any_sequence(deadline, now):

@@ -108,16 +108,12 @@ class Serving(Protocol):
         (from `open_stream`; one input) its tokens go to that stream as they come."""
         ...
 
-    def refuses(self, deadline: float | None = None) -> bool:
-        """Whether any request would be refused now, whatever its body: the queue full,
-        or (given the request's deadline, a `time.monotonic()` time) the wait for a
-        generation's row past it. Read before a request's body, so that a refusal under
-        overload costs no reading, parsing or tokenizing."""
-        ...
-
     def admission(self, deadline: float | None = None) -> Refusal | None:
-        """The refusal any request would get now (`refuses`), counted as rejected; None
-        while it may be taken."""
+        """The refusal any request would get now, whatever its body (the queue full, or,
+        given the request's deadline, a `time.monotonic()` time, the wait for a
+        generation's row past it), counted as rejected; None while it may be taken. Read
+        before a request's body, so that a refusal under overload costs no reading,
+        parsing or tokenizing."""
         ...
 
     def count_refusal(self) -> None:

@@ -28,8 +28,6 @@ class Queue(Protocol):
     @property
     def most_admitted(self) -> int: ...
 
-    def refuses(self, deadline: float | None = None) -> bool: ...
-
     def admission(self, deadline: float | None = None) -> Refusal | None: ...
 
     def count_refusal(self) -> None: ...
@@ -102,9 +100,6 @@ class ModelService:
         """`run` that calls `on_end` instead of being awaited (rawserve.serving.driver's
         `Scheduler.begin`): how the serving process carries the HTTP processes' requests."""
         return self.queue.begin(inputs, params, deadline, control, on_end)
-
-    def refuses(self, deadline: float | None = None) -> bool:
-        return self.queue.refuses(deadline)
 
     def admission(self, deadline: float | None = None) -> Refusal | None:
         return self.queue.admission(deadline)
