@@ -26,7 +26,12 @@ from rawserve.api.served import ServedModel, ServedModels
 from rawserve.config import ServerConfig
 from rawserve.http.limits import ServerState
 from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_process
-from rawserve.http_process.front import dual_stack, listen, requests_answered
+from rawserve.http_process.front import (
+    FINAL_WRITE_SECONDS,
+    dual_stack,
+    listen,
+    requests_answered,
+)
 from rawserve.ops.metrics import Metrics, merge_families
 from rawserve.protocol import HttpProtocol
 from rawserve.serving import ModelService, Scheduler
@@ -36,8 +41,6 @@ from rawserve.serving.fleet import Fleet, HttpProcessFailed
 from rawserve.shared.board import Board
 
 log = logging.getLogger("rawserve")
-
-FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last 503s
 
 
 class ServedParts(Protocol):

@@ -30,9 +30,10 @@ from typing import Any
 from rawserve import __version__
 from rawserve.api.served import ServedModel
 from rawserve.config import Batching, ModelConfig, ServerConfig, WorkerPlan, plan_workers
-from rawserve.fronts import FINAL_WRITE_SECONDS, Front, HttpProcesses, OneProcess
+from rawserve.fronts import Front, HttpProcesses, OneProcess
 from rawserve.http.limits import PROBE_SEATS, REFUSALS_LINGERING
 from rawserve.http.tls import validity_warning
+from rawserve.http_process.front import FINAL_WRITE_SECONDS
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.names import as_text
 from rawserve.models.plan import ModelPlan, plan_models

@@ -3,8 +3,8 @@
 The protocol hands it complete requests (it is the protocol's `Application`); each route
 is a handler of one of the route families (inference, OpenAI, TGI, TEI, operations).
 Errors are raised as `rawserve.http.errors.HTTPError` and rendered by the protocol, except
-on the OpenAI routes, whose clients read only OpenAI's error object, and where TGI's
-clients call, which type errors by TGI's rules: the app renders those itself
+where a route's clients read a shape of their own (OpenAI's error object, TGI's and TEI's
+error types, and the shape used with CORS on): the app renders those itself
 (`error_renderer`), refusals before the route runs included. Never sees a socket,
 never imports h11 or torch.
 """

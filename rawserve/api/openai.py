@@ -390,7 +390,7 @@ class OpenAIRoutes:
         return await self.respond(request, model, document)
 
     def model_generation(self, model: ServedModel, answer: Answering) -> Handler:
-        """POST /models/<name>/v1/chat/completions (or /v1/completions), answered by
+        """POST /models/<name>/v1/chat/completions (or /v1/completions, /v1/responses), answered by
         `answer`: the path names the model; the body's "model" is not read
         (InferenceClient sends the URL there)."""
 

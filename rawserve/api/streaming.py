@@ -49,7 +49,6 @@ from rawserve.tasks.text_generation import returns_full_text, tgi_output
 
 log = logging.getLogger("rawserve.streams")
 
-# A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
 # Tokens a stream holds for a client that does not read them: past it, with none read for
 # UNREAD_SECONDS, the generation is stopped (a client that cannot keep up with the model
@@ -125,6 +124,7 @@ class TokenStream:
         self.end.streams.append(self)
         self.count_error = model.count_stream_error
         self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
+        # its TokenChunks, then None once its request has finished
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.reads = 0  # the chunks its writer has taken
         self.unread_check: asyncio.TimerHandle | None = None

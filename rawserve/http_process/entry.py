@@ -30,7 +30,7 @@ from rawserve.config import ServerConfig
 from rawserve.http.errors import ServiceUnavailable
 from rawserve.http.limits import ServerState
 from rawserve.http.tls import server_context
-from rawserve.http_process.front import listen, requests_answered
+from rawserve.http_process.front import FINAL_WRITE_SECONDS, listen, requests_answered
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops import loops
 from rawserve.ops.metrics import CONTENT_TYPE, Metrics, render_families
@@ -42,7 +42,6 @@ from rawserve.shared.memory import fix_mmap_threshold
 
 log = logging.getLogger("rawserve")
 
-FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last answers
 # how long an HTTP process stopped by a signal waits for the serving process to say drain
 # too (a stop sent to the group) before it takes the signal for its own alone
 ALONE_SECONDS = 1.0

@@ -13,6 +13,7 @@ from rawserve.http.limits import ServerState
 
 BACKLOG = 1024
 BODY_LOOK_SECONDS = 0.05  # while draining: how often a body still coming is looked at
+FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last answers (503s)
 
 
 async def listen(
