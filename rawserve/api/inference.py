@@ -293,7 +293,7 @@ class InferenceRoutes:
             "Inference",
             inference_request,
             schemas.inference_response,
-            errors=(*MODEL_ERRORS, 415),
+            errors=MODEL_ERRORS,
             events=schemas.generation_events,
             text_body=True,
         )

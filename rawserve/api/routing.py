@@ -133,8 +133,9 @@ class Operation:
     parameters: tuple[Schema, ...] = ()  # its query parameters, as OpenAPI's objects
 
 
-# what a route that queues model work may answer besides 200 (401 is added with --api-key)
-MODEL_ERRORS = (400, 404, 413, 422, 500, 503, 504)
+# what a route that queues model work may answer besides 200 (401 is added with --api-key;
+# 415: a form upload, or a body typed as media no JSON is, read by every route's body check)
+MODEL_ERRORS = (400, 404, 413, 415, 422, 500, 503, 504)
 
 
 @dataclass(frozen=True)
