@@ -785,17 +785,22 @@ def test_of_inputs_run_apart_only_the_one_its_worker_died_running_is_answered_50
 def test_copies_of_an_input_quarantined_as_they_wait_are_refused_not_run(loaded):
     """A list of one poison input three times: its copies run again alone after their
     batch crashed, and once one copy's crashes quarantine it, the copies still waiting
-    are refused without running (each took the worker down again: five deaths, not
-    three)."""
+    are refused at once, without running (each took the worker down again: five deaths,
+    not three), nor waiting for the worker's restart (their 422 came with it, or a 503 at
+    their deadline)."""
     serving = loaded(max_batch_size=4)
     worker = serving.pool.workers[0]
     copies = serving.arrive(["poison"] * 3, {}, timeout=600.0)
-    for backoff in (0.5, 1.0, 2.0):
+    for backoff in (0.5, 1.0):
         serving.crash(worker)
         serving.advance(backoff)
         serving.load(worker)
+    serving.crash(worker)  # quarantined: the copies waiting are answered with it
     assert sent(serving) == [("poison",) * 3, ("poison",), ("poison",)]  # three deaths
-    assert copies.outcome == "results" and not serving.answerable()
+    assert copies.outcome == "results"
+    serving.advance(2.0)
+    serving.load(worker)
+    assert not serving.answerable()
     outputs = [end.output for end in copies.ends[0][1]]
     assert sorted(map(str, outputs)) == sorted(map(str, [CRASHED_ALONE, *[REFUSED_POISON] * 2]))
 

@@ -96,7 +96,7 @@ MAX_LISTED_TOKENS = 32768
 # Bytes a number of an /embed_all answer takes as JSON, about (`-0.012345678,`).
 NUMBER_BYTES = 12
 TAG = "Text Embeddings Inference"
-TOKENIZER_ERRORS = (400, 404, 413, 422, 503)
+TOKENIZER_ERRORS = (400, 404, 413, 415, 422, 503)
 # TEI's names of sentence-transformers' pooling modes, where they differ (TEI has none for
 # max, weightedmean and mean_sqrt_len_tokens: /info says sentence-transformers' own)
 TEI_POOLING_NAMES = {"lasttoken": "last_token"}

@@ -613,15 +613,25 @@ class WorkerPool(PoolReports):
         return job
 
     def _send_retries(self) -> None:
+        self._refuse_quarantined()
         while (found := self._next_retry()) is not None:
             worker, retry = found
             self._retries.remove(retry)
-            if len(retry.inputs) == 1 and self.supervisor.is_poison(retry.inputs[0], retry.params):
-                # a copy of an input quarantined as it waited (a list of it three times:
-                # each copy took the worker down again, five deaths)
-                self._refuse_poison(retry, [0])
-            else:
-                self._send(worker, retry)
+            self._send(worker, retry)
+
+    def _refuse_quarantined(self) -> None:
+        """Refuse at once (422) the retries of an input quarantined as they waited: copies
+        of it (a list of it three times: each copy took the worker down again, five
+        deaths), which need no worker to be refused (they waited for a restart, or their
+        deadline's 503)."""
+        poisoned = [
+            retry
+            for retry in self._retries
+            if len(retry.inputs) == 1 and self.supervisor.is_poison(retry.inputs[0], retry.params)
+        ]
+        for retry in poisoned:
+            self._retries.remove(retry)
+            self._refuse_poison(retry, [0])
 
     def _next_retry(self) -> tuple[WorkerHandle, Job] | None:
         """A worker and the first retry it may run now (its own, or anyone's): on an idle
@@ -755,15 +765,16 @@ class WorkerPool(PoolReports):
         key = (job.poison_key or PoisonMemory.key(job.inputs[0], job.params)) if alone else None
         decision = self.supervisor.hung(Held(job.streamed, key), items)
         if decision is LostBatch.RETRY_ALONE:
-            log.warning(
-                "worker %s: its %d items run again alone%s; one that hangs alone is refused "
-                "after %d such hangs",
-                worker.label,
-                len(job.inputs) - len(job.gone),
-                job_requests(job),
-                self.poison.strikes,
-                extra=request_named(job),
-            )
+            if waited := len(job.inputs) - len(job.gone):  # (else none runs again)
+                log.warning(
+                    "worker %s: its %d items run again alone%s; one that hangs alone is "
+                    "refused after %d such hangs",
+                    worker.label,
+                    waited,
+                    job_requests(job),
+                    self.poison.strikes,
+                    extra=request_named(job),
+                )
             self._suspect(job, sorted(job.gone), items)  # (not run again: which was it?)
             self._retry_alone(job, None)
             return
@@ -771,6 +782,7 @@ class WorkerPool(PoolReports):
             self._say_quarantined(worker, job, "hung")
             if self.metrics is not None:
                 self.metrics.drop("poison")
+            self._refuse_quarantined()
         job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
 
     # --- process lifecycle ------------------------------------------------------------
@@ -1106,6 +1118,7 @@ class WorkerPool(PoolReports):
         if job.abandoned or job.cancelled:
             if lost is LostBatch.QUARANTINED:
                 self._say_quarantined(worker, job, "crashed")
+                self._refuse_quarantined()
             elif lost is LostBatch.RETRY_ALONE:
                 self._suspect(job, range(len(job.inputs)), died_with)
             not_run(job)
@@ -1136,6 +1149,7 @@ class WorkerPool(PoolReports):
             if self.metrics is not None:
                 self.metrics.drop("poison")
             job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+            self._refuse_quarantined()
 
     def _say_counted(self, worker: WorkerHandle, job: Job) -> None:
         """Say a first run's crash alone where it counted (its input's first is remembered
