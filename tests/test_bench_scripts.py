@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import servers
+from tests.test_bench_smoke import running
 
 # how rawserve.serving.pool says a worker's process ended (`exit_words`, `server_kill`)
 WORKER_ENDS = [
@@ -115,15 +116,6 @@ def test_the_tokenize_placement_worker_answers_as_the_server_does():
     }
 
 
-def running(pid: int) -> bool:
-    """Whether `pid` runs (a child ended but not yet reaped by anyone counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_gpu_round_stopped_by_sigterm_stops_its_stage_and_the_stage_s_servers(tmp_path):
     """SIGTERM (a timeout's, a kill's) ended bench.gpu_round at once, and its stage, in a
     session of its own, ran on orphaned, starting servers and leaving its temp folder: now
@@ -182,13 +174,12 @@ def test_a_gpu_benchmark_without_cuda_says_so_in_one_line(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("name", ["attention_shapes", "cuda_graphs"])
-def test_a_gpu_benchmark_asked_for_cuda_on_a_torch_without_it_exits_2(name, capsys):
+def test_a_gpu_benchmark_asked_for_cuda_on_a_torch_without_it_exits_2(name, capsys, monkeypatch):
     import importlib
 
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("this torch has CUDA")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (as a CPU torch)
     with pytest.raises(SystemExit) as exited:
         importlib.import_module(f"bench.{name}").main(["--device", "cuda"])
     assert exited.value.code == 2

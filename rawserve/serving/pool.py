@@ -623,7 +623,7 @@ class WorkerPool(PoolReports):
         """Refuse at once (422) the retries of an input quarantined as they waited: copies
         of it (a list of it three times: each copy took the worker down again, five
         deaths), which need no worker to be refused (they waited for a restart, or their
-        deadline's 503)."""
+        deadline's 503). A death's pump runs it before the scheduler is told who is down."""
         poisoned = [
             retry
             for retry in self._retries
@@ -782,7 +782,6 @@ class WorkerPool(PoolReports):
             self._say_quarantined(worker, job, "hung")
             if self.metrics is not None:
                 self.metrics.drop("poison")
-            self._refuse_quarantined()
         job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
 
     # --- process lifecycle ------------------------------------------------------------
@@ -1118,7 +1117,6 @@ class WorkerPool(PoolReports):
         if job.abandoned or job.cancelled:
             if lost is LostBatch.QUARANTINED:
                 self._say_quarantined(worker, job, "crashed")
-                self._refuse_quarantined()
             elif lost is LostBatch.RETRY_ALONE:
                 self._suspect(job, range(len(job.inputs)), died_with)
             not_run(job)
@@ -1149,7 +1147,6 @@ class WorkerPool(PoolReports):
             if self.metrics is not None:
                 self.metrics.drop("poison")
             job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
-            self._refuse_quarantined()
 
     def _say_counted(self, worker: WorkerHandle, job: Job) -> None:
         """Say a first run's crash alone where it counted (its input's first is remembered
