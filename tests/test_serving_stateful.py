@@ -850,6 +850,52 @@ def test_a_crashed_batch_s_inputs_run_alone_only_where_the_worker_serves_no_rows
     assert sent(serving) == [("running",), ("mate",), ("new",)]  # side by side
 
 
+def test_a_prompt_in_two_crashes_of_a_continuous_worker_runs_alone_once_its_rows_are_done(
+    loaded,
+):
+    """A poison prompt batched beside a long sequence, with a deadline shorter than a
+    restart, is not run again: one such crash suspects it (and its batch-mate), and it
+    runs beside others as any prompt does; in a second, it runs alone when it comes again,
+    once the worker's other rows are done (nothing new joins meanwhile), where its crash
+    counts. Never run alone, it took the worker down at every send."""
+    serving = loaded(kind="continuous", max_batch_size=4)
+    worker = serving.pool.workers[0]
+    key = PoisonMemory.key("poison", {})
+    long = serving.arrive(["long"], {}, timeout=600.0)
+    for crash in range(2):
+        serving.arrive(["poison"], {}, timeout=0.5)
+        assert sorted(batch.inputs for _, _, batch in serving.answerable()) == [
+            ("long",),
+            ("poison",),
+        ], crash
+        serving.crash(worker)
+        serving.advance(5.0)  # its deadline passed, the backoff over
+        serving.load(worker)
+        assert serving.pool.poison.times(key) == 0  # a batch's crash counts for none
+    assert serving.pool.poison.runs_alone_anywhere(key)
+    assert not serving.pool.poison.runs_alone_anywhere(PoisonMemory.key("long", {}))
+    third = serving.arrive(["poison"], {}, timeout=60.0)
+    new = serving.arrive(["new"], {}, timeout=60.0)
+    ((_, conn, batch),) = serving.answerable()  # "long" alone: nothing joins it
+    assert batch.inputs == ("long",)
+    serving.answer(worker, conn, batch)
+    assert long.outcome == "results"
+    ((_, conn, batch),) = serving.answerable()  # then the poison, alone
+    assert batch.inputs == ("poison",) and new.outcome is None
+    serving.crash(worker)
+    assert serving.pool.poison.times(key) == 1  # its first crash alone
+    serving.check()  # (not once "poison" is answered: the record counts an input once)
+    serving.advance(5.0)
+    serving.load(worker)
+    ((_, conn, batch),) = serving.answerable()  # run again alone, where it crashed
+    assert batch.inputs == ("poison",)
+    serving.answer(worker, conn, batch)
+    ((_, conn, batch),) = serving.answerable()  # then what waited for it
+    assert batch.inputs == ("new",)
+    serving.answer(worker, conn, batch)
+    assert third.outcome == new.outcome == "results"
+
+
 def test_a_crashed_batch_due_before_its_workers_restart_is_answered_beside_an_idle_worker(
     loaded,
 ):
@@ -1273,6 +1319,17 @@ class ServingMachine(RuleBasedStateMachine):
         count = sizes[size % len(sizes)]
         inputs = [f"r{number}i{k} " + "x" * (length * (k + 1)) for k in range(count)]
         self.serving.arrive(inputs, params, timeout, stream=kind == "stream", awaited=awaited)
+
+    @precondition(lambda self: any(r.live for r in self.serving.requests))
+    @rule(data=st.data(), batches=st.integers(1, 2))
+    def suspect(self, data, batches) -> None:
+        """An input of a request is a suspect of one or two crashed batches, as if it had
+        come again after them: not yet sent, it runs alone (on a continuous worker, after
+        two, once the worker's rows are done)."""
+        request = data.draw(st.sampled_from([r for r in self.serving.requests if r.live]))
+        key = PoisonMemory.key(data.draw(st.sampled_from(request.inputs)), request.params)
+        for _ in range(batches):
+            self.serving.pool.poison.suspect(key)
 
     @precondition(lambda self: any(r.live for r in self.serving.requests))
     @rule(data=st.data())

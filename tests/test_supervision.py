@@ -141,6 +141,24 @@ def test_a_suspect_of_a_crashed_batch_is_held_to_run_alone_and_counts_only_its_c
     assert sup.remembered(["once"], {}) == [None]
 
 
+def test_an_input_runs_alone_anywhere_once_it_crashed_alone_or_was_in_two_crashed_batches():
+    """A continuous worker drains its rows to run an input alone only where one was
+    likely to crash it: a suspect of one crashed batch runs beside others there."""
+    sup, _ = supervisor()
+    key, other = PoisonMemory.key("crash me", {}), PoisonMemory.key("other", {})
+    assert not sup.poison.runs_alone_anywhere(key)
+    sup.poison.suspect(key)
+    assert not sup.poison.runs_alone_anywhere(key)
+    sup.poison.suspect(key)
+    assert sup.poison.runs_alone_anywhere(key) and sup.poison.times(key) == 0
+    sup.poison.cleared(key)  # answered alone: forgotten
+    assert not sup.poison.runs_alone_anywhere(key)
+    assert sup.lost(Held(first_key=other)) is LostBatch.RETRY_ALONE  # its one crash alone
+    assert sup.poison.runs_alone_anywhere(other)
+    sup.poison.suspect(other)  # what it had stays
+    assert sup.poison.times(other) == 1 and sup.poison.runs_alone_anywhere(other)
+
+
 def test_a_first_crash_alone_is_forgotten_with_the_memory():
     now = [0.0]
     memory = PoisonMemory(clock=lambda: now[0])

@@ -496,6 +496,16 @@ class SchedulerCore:
         for item in items:
             item.taken_whatever_its_time = idle
         self._sole_request = request if alone or request == self._sole_request else None
+        self._enqueue(items)
+
+    def requeue(self, batch: Sequence[WorkItem], now: float) -> None:
+        """A batch the workers could not take after all goes back to the queue, its items
+        with their turns (a worker was taken since the pass looked: by an input that must
+        run alone, which holds a continuous worker's new sequences until it has)."""
+        self.forget_batch(batch, now)
+        self._enqueue(batch)
+
+    def _enqueue(self, items: Sequence[WorkItem]) -> None:
         for item in items:
             queue = self._queues.get(item.key)
             if queue is None:
@@ -510,7 +520,7 @@ class SchedulerCore:
             self._minima[item.key].add(item)
             self._queued_cost += item.cost
         self._size += len(items)
-        self._listed += len(items) if len(items) > 1 else 0
+        self._listed += sum(item.listed for item in items)
         last_turn, latest = _bounds(items)
         self._queued_bounds = (
             max(self._queued_bounds[0], last_turn),

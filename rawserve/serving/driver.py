@@ -604,6 +604,11 @@ class Scheduler:
             on_part = functools.partial(self._answer_part, batch, now)
             future = self.backend.submit(inputs, lead.params, lead.control, ids, admitted, on_part)
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
+            if _no_worker(exc) and not self.backend.idle_workers():
+                # taken since the pass looked (an input that must run alone holds a
+                # continuous worker's new sequences): the batch waits its turn again
+                self.core.requeue(batch, self.clock())
+                return
             self.core.forget_batch(batch, self.clock())
             log.error("the worker pool refused a batch of %d: %s", len(batch), exc)
             for item in batch:
@@ -708,6 +713,10 @@ def _item_result(
         started, size, seconds = item.call
         return ItemResult(output, started - item.arrived, size, seconds)
     return ItemResult(output, sent - item.arrived, len(batch), result.compute_seconds)
+
+
+def _no_worker(error: BaseException) -> bool:
+    return isinstance(error, Refused) and error.refusal.reason is Reason.NO_WORKER
 
 
 def _as_refusal(error: BaseException | None) -> Refused:

@@ -210,8 +210,9 @@ class RunningBatches:
 
     @property
     def holds_retry(self) -> bool:
-        """It runs an input again after a crash: alone, so that a crash names it."""
-        return any(job.poison_key is not None for job in self._jobs.values())
+        """It runs an input alone, so that a crash names it: again after a crash, or one
+        remembered for crashes before (`Job.isolated`)."""
+        return any(job.poison_key is not None or job.isolated for job in self._jobs.values())
 
     def add(self, job: Job) -> None:
         self._jobs[job.batch_id] = job

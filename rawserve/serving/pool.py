@@ -300,9 +300,14 @@ class WorkerPool(PoolReports):
         refused = [i for i, key in enumerate(keys) if key is not None and key in self.poison]
         if refused:
             self._refuse_poison(whole, refused)
-        # (a continuous worker would take no new sequence until it ran each alone, idle)
-        isolating = not worker.sequences
-        alone = [i for i, key in enumerate(keys) if isolating and key and i not in refused]
+        # (a continuous worker takes no new sequence until its rows are done and it ran
+        # the input alone: only for those more likely to be poison)
+        anywhere = self.poison.runs_alone_anywhere
+        alone = [
+            i
+            for i, key in enumerate(keys)
+            if key and i not in refused and (not worker.sequences or anywhere(key))
+        ]
         rest = [i for i in range(len(inputs)) if i not in refused and i not in alone]
         if rest:
             self._send(worker, whole.part(rest, next(self._batch_ids)))
@@ -1043,8 +1048,9 @@ class WorkerPool(PoolReports):
         together = self._together(sequences)
         for lost in sequences:
             if lost in together:  # (a Job is equal to itself alone)
+                home = home_of(worker)
                 again = replace(
-                    lost, watchdog=None, rerun=True, home=home_of(worker), together=True
+                    lost, watchdog=None, rerun=True, home=home, together=True, died_with=died_with
                 )
                 self._retries.append(again)
             elif worker.hung and not (lost.abandoned or lost.cancelled):

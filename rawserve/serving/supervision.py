@@ -87,6 +87,7 @@ class _Crashes:
     expires: float  # when they are forgotten
     remembered: bool = False  # a first run's first crash alone came before them, uncounted
     # (count 0, not remembered: a suspect, in a batch of several that crashed, not run again)
+    suspected: int = 0  # in how many such batches it was, a suspect
 
 
 class PoisonMemory:
@@ -143,9 +144,21 @@ class PoisonMemory:
         crash of it counts as a first run's crash alone does (`crashed_first`); the
         batch's counts for none of its inputs. Run in batches and never alone, a poison
         input sent with deadlines shorter than a restart took a worker down at every
-        batch and was never counted."""
-        if self._entry(key) is None:
-            self._keep(key, 0, remembered=False)
+        batch and was never counted. Each such batch is counted (`runs_alone_anywhere`)."""
+        entry = self._entry(key)
+        if entry is None or not (entry.count or entry.remembered):
+            suspected = 1 if entry is None else entry.suspected + 1
+            self._keep(key, 0, remembered=False, suspected=suspected)
+
+    def runs_alone_anywhere(self, key: str) -> bool:
+        """Whether the input runs alone on a continuous worker too, which takes no new
+        sequence until its rows are done: it crashed a worker alone before, or was in two
+        crashed batches of several. One such batch makes each of its inputs a suspect (an
+        outside kill's too), and draining the worker for each then cost a 3-token prompt
+        8-10 s, not 0.2; never drained for, a poison prompt batched beside others took the
+        worker down at every send."""
+        entry = self._entry(key)
+        return entry is not None and bool(entry.count or entry.remembered or entry.suspected > 1)
 
     def cleared(self, key: str) -> None:
         """The input ran alone and was answered: a suspect, or an input whose one crash
@@ -158,10 +171,10 @@ class PoisonMemory:
         """Whether the input is remembered at all: quarantined, crashed or a suspect."""
         return self._entry(key) is not None
 
-    def _keep(self, key: str, count: int, *, remembered: bool) -> None:
+    def _keep(self, key: str, count: int, *, remembered: bool, suspected: int = 0) -> None:
         """Remember the input's crashes from now on, the least recently seen dropped past
         `size`."""
-        self._entries[key] = _Crashes(count, self.clock() + self.seconds, remembered)
+        self._entries[key] = _Crashes(count, self.clock() + self.seconds, remembered, suspected)
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
