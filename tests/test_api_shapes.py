@@ -1349,6 +1349,21 @@ def test_a_response_stream_that_fails_once_begun_ends_with_response_failed():
     assert stream.closed
 
 
+def test_a_response_stream_that_fails_before_its_first_token_keeps_the_message_it_announced():
+    """The message opens as a stream begins: failed before any text, the Response still
+    lists it (empty, incomplete), at the index its events named."""
+    from tests.test_reasoning import responded
+
+    _, settings = parse_response({"input": "hi", "stream": True})
+    events = responded(ResponseAnswer("m", settings), TimedOutStream([]))  # type: ignore[arg-type]
+    [added] = [e for e in events if e.type == "response.output_item.added"]
+    last = events[-1]
+    assert last.type == "response.failed" and added.output_index == 0
+    [message] = last.response.output
+    assert message.id == added.item.id and message.status == "incomplete"
+    assert message.content[0].text == ""
+
+
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_an_openai_stream_that_fails_once_begun_ends_with_its_error_then_done(chat):
     """As vLLM ends one: the error event, then `data: [DONE]`, so a client that reads up to

@@ -682,6 +682,22 @@ def test_a_response_puts_the_thinking_in_a_reasoning_item_before_the_message():
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
+@pytest.mark.parametrize("tokens", [["</think>", "Hi"], ["</think>"], []], ids=str)
+def test_a_response_whose_thinking_is_empty_has_no_reasoning_item_whole_or_streamed(tokens):
+    """A model that closes its thinking at once (an R1 distill's `</think>` as its first
+    token) thought nothing: no reasoning item, whole or streamed. The stream announced
+    none and the end said one, so every event's output_index was one short of it."""
+    _, settings = parse_response({"input": "hi"})
+    answer = ResponseAnswer("m", settings, thinking=OPENED_IN_PROMPT)
+    whole = answer.whole([output("".join(tokens))], [])["output"]
+    assert [item["type"] for item in whole] == (["message"] if "Hi" in tokens else [])
+    events = responded(answer, Stream(tokens, opened=OPENED_IN_PROMPT))
+    announced = [(e.output_index, e.item.type) for e in events if e.type.endswith("item.added")]
+    final = events[-1].response.output
+    assert announced == [(index, item.type) for index, item in enumerate(final)]
+    assert [item.type for item in final] == [item["type"] for item in whole]
+
+
 def test_a_response_of_a_model_that_does_not_reason_or_keeps_its_tags_is_as_before():
     _, settings = parse_response({"input": "hi"})
     text = "<think>a</think>b"

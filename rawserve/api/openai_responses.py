@@ -325,9 +325,10 @@ class ResponseAnswer:
         }
 
     def items(self, reasoning: str | None, text: str | None, status: str) -> list[dict[str, Any]]:
-        """The output: the thinking (done once the answer followed it), then the answer."""
+        """The output: the thinking (done once the answer followed it; none where it was
+        empty, as a stream announces none), then the answer."""
         items = []
-        if reasoning is not None:
+        if reasoning:
             items.append(self.reasoning(reasoning, "completed" if text is not None else status))
         if text is not None:
             items.append(self.message(text, status))
@@ -454,6 +455,8 @@ class StreamedItems:
         thinking's closes as the answer's opens)."""
         sent = []
         for kind, piece in pieces:
+            if kind == REASONING and not piece:  # (empty thinking is no item: `items`)
+                continue
             if self.open != kind:
                 if self.open == REASONING:
                     sent += self.close([self.answer.reasoning(self.reasoning, "completed")])
@@ -511,8 +514,8 @@ class StreamedItems:
         if REASONING in self.kinds:
             closed = self.open != REASONING
             said.append(self.answer.reasoning(self.reasoning, "completed" if closed else status))
-        if self.text:
-            said.append(self.answer.message(self.text, status))
+        if CONTENT in self.kinds:  # (announced, though no text came yet)
+            said.append(self.answer.message(self.text or "", status))
         return said
 
 
