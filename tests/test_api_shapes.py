@@ -2762,6 +2762,24 @@ def test_a_response_says_back_the_temperature_and_top_p_it_was_sampled_with(samp
     assert body["max_output_tokens"] is None  # (as OpenAI's, where it was not asked)
 
 
+def test_a_response_says_back_who_asked_and_the_cache_key_as_sent():
+    """OpenAI's Response repeats `user`, `safety_identifier` and the prompt cache's key and
+    retention as sent, and says the truncation and service tier it served; each was
+    taken and said back null (a tester)."""
+    asked = {
+        "user": "u-1",
+        "safety_identifier": "s-1",
+        "prompt_cache_key": "k-1",
+        "prompt_cache_retention": "24h",
+    }
+    status, body, _ = generated("/v1/responses", {"input": "hi", **asked}, 64)
+    assert status == 200, body
+    assert {name: body[name] for name in asked} == asked
+    assert (body["truncation"], body["service_tier"]) == ("disabled", "default")
+    status, body, _ = generated("/v1/responses", {"input": "hi", "service_tier": "auto"}, 64)
+    assert status == 200 and body["user"] is None and body["service_tier"] == "default"
+
+
 class FakeClock:
     """Wall-clock seconds that move on by 2.5 each time they are read."""
 

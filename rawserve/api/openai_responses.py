@@ -204,6 +204,8 @@ BOOKKEEPING = (
 # a Response's settings, said back as it was asked (OpenAI's answer repeats them; the
 # temperature and top_p as sampled: `sampled_with`)
 SETTINGS = ("instructions", "max_output_tokens", "temperature", "top_p", "parallel_tool_calls")
+# what identifies the asker and the cache, said back as sent (null where not)
+ECHOED = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention")
 
 
 def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
@@ -233,6 +235,7 @@ def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
     if generation.grammar_field == "response_format":  # a Responses body's is its "text"
         generation = replace(generation, grammar_field="text.format")
     settings = {name: fields.value(name) for name in SETTINGS}
+    settings.update({name: fields.get(name) for name in ECHOED})
     settings["metadata"] = fields.value("metadata") or {}
     settings["text"] = {"format": (fields.get("text") or {}).get("format")}
     # as asked (OpenAI's default "auto"): with no tools, either says the same
@@ -300,6 +303,9 @@ class ResponseAnswer:
             "store": False,
             "previous_response_id": None,
             **{name: self.settings[name] for name in SETTINGS},
+            **{name: self.settings.get(name) for name in ECHOED},
+            "truncation": "disabled",  # (the only one served)
+            "service_tier": "default",  # (what "auto" is served as, as OpenAI says it)
             "metadata": self.settings["metadata"],
             "text": {"format": form},
             "usage": None,
