@@ -2718,6 +2718,8 @@ PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}}
         ({"name": "x" * 65, "schema": PERSON_SCHEMA}, "text.format.name", "1 to 64 letters"),
         ({"name": "x\n", "schema": PERSON_SCHEMA}, "text.format.name", "1 to 64 letters"),
         ({"schema": PERSON_SCHEMA}, "text.format.name", "must be a text"),
+        ({"name": "x"}, "text.format.schema", '"text.format.schema" must be a JSON schema'),
+        ({"name": "x", "schema": 5}, "text.format.schema", "must be a JSON schema"),
     ],
 )
 def test_a_response_s_json_schema_format_with_an_unknown_field_or_name_is_400_naming_it(
@@ -2733,6 +2735,13 @@ def test_a_response_s_json_schema_format_with_an_unknown_field_or_name_is_400_na
     named = {"type": "json_schema", "name": "person-1_A", "schema": PERSON_SCHEMA, "strict": True}
     status, body, sent = generated("/v1/responses", {"input": "hi", "text": {"format": named}}, 64)
     assert status == 200 and body["text"]["format"] == named, body
+
+
+def test_a_response_s_text_with_an_unknown_field_is_400_naming_it():
+    document = {"input": "hi", "text": {"format": {"type": "text"}, "foo": 1}}
+    status, body, sent = generated("/v1/responses", document, 64)
+    assert (status, body["error"]["param"], sent) == (400, "text.foo", []), body
+    assert 'unknown field "text.foo"' in body["error"]["message"]
 
 
 SAMPLES = {"do_sample": True, "temperature": 1.0, "top_p": 1.0}  # (a worker's report)

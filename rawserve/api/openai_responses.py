@@ -83,8 +83,9 @@ def read_reasoning(name: str, value: Any, context: DocContext | None) -> Any:
 
 def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, Any] | None:
     """`text`: its `format` as chat's `response_format` (None: free text)."""
-    if not isinstance(value, dict) or not set(value) <= {"format", "verbosity"}:
+    if not isinstance(value, dict):
         raise BadRequest(f'"{name}" must be {{"format": {{"type": ...}}}}')
+    refuse_unknown(value, {"format", "verbosity"}, name, f'"{name}"')
     if value.get("verbosity") not in (None, "medium"):
         raise BadRequest(
             f'"{name}.verbosity" is not supported by this server: it takes only null or "medium"',
@@ -100,7 +101,11 @@ def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, An
         form = chat_json_schema(form, f"{name}.format")
     try:
         return read_response_format(name, form, context)
-    except BadRequest:
+    except BadRequest as error:
+        inner = f"{name}.json_schema."  # (chat's place of the fields a Response's format has)
+        if error.param is not None and error.param.startswith(inner):
+            param = f"{name}.format." + error.param.removeprefix(inner)
+            raise BadRequest(error.message.replace(error.param, param), param=param) from None
         raise BadRequest(
             f'"{name}.format" must be {{"type": "text"}}, {{"type": "json_object"}} or '
             '{"type": "json_schema", "name": ..., "schema": {...}}',
