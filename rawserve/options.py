@@ -69,7 +69,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --pooling's modes: sentence-transformers' own, and SPLADE's; TEI's names of them too
 POOLING_CHOICES = (*sorted(POOLING_MODES), "splade")
 POOLING_NAMES = {"last-token": "lasttoken", "last_token": "lasttoken"}
-CHOICES = ("engine", "dtype", "batching", "generation", "loop", "log_format")
+CHOICES = ("engine", "dtype", "batching", "generation", "loop", "log_format", "log_level")
 # the largest whole number an option takes: /info's JSON readers keep it exact
 MAX_WHOLE_NUMBER = 2**53
 # the largest a time option takes (seconds, or --max-batch-delay-ms' milliseconds): about
@@ -599,9 +599,14 @@ def ignored_by_the_handler(config: ServerConfig) -> list[str]:
     if not config.handler:
         return []
     model = config.model
+    set_here = {"--engine": model.engine is not Engine.AUTO, "--dtype": model.dtype != "auto"}
+    return [flag for flag, given in set_here.items() if given] + generation_options(model)
+
+
+def generation_options(model: ModelConfig) -> list[str]:
+    """The text-generation options set (here or in the environment), for a warning where
+    no model they apply to is served."""
     set_here = {
-        "--engine": model.engine is not Engine.AUTO,
-        "--dtype": model.dtype != "auto",
         "--generation": model.generation != "continuous",
         "--max-sequences": model.max_sequences is not None,
         "--join-wait-steps": model.join_wait_steps != 0,
@@ -628,7 +633,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         args.port = sagemaker_port(parser)
     if sagemaker:
         sagemaker_model(args, parser)
-    for name in CHOICES:  # a word's case is no mistake (--device and --log-level took any)
+    for name in CHOICES:  # a word's case or blanks are no mistake (--device takes any)
         setattr(args, name, getattr(args, name).strip().lower())
     # One fixed order of checks: a command line with several mistakes is told the first.
     for variable in HUB_SECONDS_VARIABLES:

@@ -576,13 +576,16 @@ def test_a_shortened_flag_is_refused_not_read_as_the_option_it_starts(monkeypatc
     assert "unrecognized arguments: --max-queu" in capsys.readouterr().err
 
 
-def test_a_choice_is_read_whatever_its_case(monkeypatch):
+def test_a_choice_is_read_whatever_its_case_and_blanks(monkeypatch):
     clear_environment(monkeypatch)
-    monkeypatch.setenv("RAWSERVE_LOG_FORMAT", "JSON")
+    monkeypatch.setenv("RAWSERVE_LOG_FORMAT", "JSON ")
+    monkeypatch.setenv("RAWSERVE_LOG_LEVEL", "debug ")  # (was refused: exit 2)
     argv = ["--engine", "Torch", "--dtype", "FLOAT32", "--generation", "Static"]
     config = parse_config(argv)
     assert (config.model.engine, config.model.dtype) == (Engine.TORCH, "float32")
     assert (config.model.generation, config.log_format) == ("static", "json")
+    assert config.log_level == "debug"
+    assert parse_config(["--log-level", " Warning"]).log_level == "warning"
 
 
 def test_a_stream_keepalive_of_0_sends_no_keep_alive_comment(monkeypatch):
