@@ -36,7 +36,7 @@ from rawserve.http.tls import validity_warning
 from rawserve.http_process.front import FINAL_WRITE_SECONDS
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.names import as_text
-from rawserve.models.plan import ModelPlan, plan_models
+from rawserve.models.plan import ModelPlan, generates, plan_models
 from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
@@ -45,6 +45,7 @@ from rawserve.ops.stop_signals import stop_signals
 from rawserve.options import (
     KEY_VARIABLE,
     device_unservable,
+    generation_options,
     ignored_by_the_handler,
     misspelled_variables,
     parse_config,
@@ -514,6 +515,12 @@ def start(argv: Sequence[str] | None) -> int:
     except ModelNotFound as exc:
         log.error("%s", exc)
         return 1
+    unread = generation_options(config.model)
+    if unread and not config.handler and not generates(plans):  # (a handler's are said)
+        log.warning(
+            "%s apply to text-generation models, and none is served: not applied",
+            ", ".join(unread),
+        )
     workers = plan_workers(config.model, plans)
     if config.download_only:
         for plan in plans:

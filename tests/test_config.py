@@ -372,6 +372,22 @@ def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line():
     assert downloaded.returncode == 0, downloaded.stderr[-2000:]
 
 
+def test_generation_options_beside_no_text_generation_model_are_said_not_applied():
+    """As beside a handler: taken silently, they looked honoured (a reader)."""
+    argv = ["--download-only", "--generation", "static", "--max-sequences", "4"]
+    started = subprocess.run(
+        [sys.executable, "-m", "rawserve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert started.returncode == 0, started.stderr[-2000:]
+    [line] = [line for line in started.stderr.splitlines() if "not applied" in line]
+    assert "--generation, --max-sequences apply to text-generation models" in line
+
+
 def test_the_workers_per_core_are_planned_once_the_models_are_known(monkeypatch):
     monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
     workers = plan_workers(parse_config(ECHO).model, [handler_plan()], cores=3)

@@ -95,8 +95,7 @@ def plan_models(
         )
         if unfit:  # said before any worker starts, not by each worker as it loads
             raise ModelNotFound(f"model {plan.name}: --engine onnx: {unfit}")
-    generates = any(plan.facts and plan.facts.task == "text-generation" for plan in plans)
-    if chat_template and not generates:  # only a text-generation model's chat reads it
+    if chat_template and not generates(plans):  # only a text-generation model's chat reads it
         raise ModelNotFound("--chat-template applies to text-generation models, and none is served")
     if pooling and not any(plan.facts and plan.facts.pooling == pooling for plan in plans):
         served = (
@@ -106,6 +105,11 @@ def plan_models(
         )
         raise ModelNotFound(f"--pooling {pooling} applies to {served}, and none is served")
     return plans
+
+
+def generates(plans: Sequence[ModelPlan]) -> bool:
+    """Whether a text-generation model is among those planned."""
+    return any(plan.facts is not None and plan.facts.task == "text-generation" for plan in plans)
 
 
 def _plans(
