@@ -38,7 +38,7 @@ from rawserve.serving import ModelService, Scheduler
 from rawserve.serving import WorkerPool as Executor
 from rawserve.serving.bridge import Bridge, BridgedModel, PublishingBackend
 from rawserve.serving.fleet import Fleet, HttpProcessFailed
-from rawserve.shared.board import Board
+from rawserve.shared.board import Board, SharedMemoryError
 
 log = logging.getLogger("rawserve")
 
@@ -128,7 +128,11 @@ class HttpProcesses:
     ) -> HttpProcesses | None:
         reserved = reserve_port(config.host, config.port)  # first: nothing to undo if taken
         port = reserved.port
-        board = Board.create(len(models))
+        try:
+            board = Board.create(len(models))
+        except SharedMemoryError:  # (the caller says why and stops: the port is let go)
+            reserved.close()
+            raise
         bridge = Bridge(
             [
                 BridgedModel(

@@ -4,6 +4,7 @@ one process and with several HTTP processes on one reserved port."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -56,3 +57,23 @@ async def test_the_ipv6_wildcard_serves_ipv4_clients_too(http_processes):
             server.close()
         if http_processes > 1:
             reserved.close()
+
+
+def test_the_port_is_let_go_where_the_http_processes_board_cannot_be_made(monkeypatch):
+    """Out of shared memory (a container's small /dev/shm), the start stops: the port it
+    reserved was held on, for code that runs the server in its own process (a reader)."""
+    from rawserve.fronts import HttpProcesses
+    from rawserve.shared.board import Board, SharedMemoryError
+
+    def no_room(cls, models: int) -> Board:
+        raise SharedMemoryError(OSError(28, "No space left on device"))
+
+    probe = reserve_port("127.0.0.1", 0)
+    port = probe.port
+    probe.close()
+    config = parse_config(["--handler", "tests.handlers:echo", "--host", "127.0.0.1"])
+    config = dataclasses.replace(config, port=port)
+    monkeypatch.setattr(Board, "create", classmethod(no_room))
+    with pytest.raises(SharedMemoryError):
+        asyncio.run(HttpProcesses.start(config, [], None))  # type: ignore[arg-type]
+    reserve_port("127.0.0.1", port).close()  # free again
