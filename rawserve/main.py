@@ -41,7 +41,7 @@ from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
 from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_limit
-from rawserve.ops.stop_signals import stop_signals
+from rawserve.ops.stop_signals import interrupt_on_stop_signals, stop_signals
 from rawserve.options import (
     KEY_VARIABLE,
     device_unservable,
@@ -489,10 +489,7 @@ def start(argv: Sequence[str] | None) -> int:
     if not config.handler and unservable:
         log.error("%s", unservable)  # (what a worker would say once loaded)
         return 1
-    # Until serve() puts the server's own handlers in place, SIGTERM stops the start as
-    # Ctrl-C does: as a container's PID 1 (no init) the kernel ignores a signal left at its
-    # default action, so a stop during a model's download waited for the SIGKILL after it.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    interrupt_on_stop_signals()  # (until serve() puts the server's own handlers in place)
     # The workers inherit the environment: they log at the same level and format.
     os.environ.update(RAWSERVE_LOG_LEVEL=config.log_level, RAWSERVE_LOG_FORMAT=config.log_format)
     # ... but not the API key, read now: a model's own code (trust_remote_code) could read

@@ -646,6 +646,16 @@ def test_a_stop_between_the_steps_of_the_start_ends_it_with_code_1(step, stop):
     assert "stopped while starting" in done.stderr
 
 
+def test_main_alone_stops_its_start_on_sighup_as_the_command_does():
+    """`main()` called without `python -m rawserve` (as a program embedding it does) set
+    SIGTERM's handler for the start, not SIGHUP's: a terminal closed then killed the
+    process without a word (a reader)."""
+    script = SIGNAL_AT_A_STEP.replace("import rawserve.__main__", "pass")
+    done = run_python("-c", script, "plan_workers", "SIGHUP", *ECHO, "--port", "0")
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "stopped while starting" in done.stderr
+
+
 SIGTERM_WHILE_IMPORTING = """
 import os, runpy, signal, sys
 
