@@ -76,7 +76,6 @@ IMAGE_TASKS = {"image-classification"}  # their inputs are images: no tokenizer
 # The small JSON files transformers reads beside config.json that operators edit (a chat
 # template added to tokenizer_config.json, sampling defaults in generation_config.json).
 EDITED_BY_HAND = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-# transformers' other names for tasks served (`pipeline("sentiment-analysis")`)
 # Other names of a task served: transformers' pipelines', the Hub's sentence-similarity
 # (a sentence-transformers model's tag, whose body POST / takes), and Hugging Face's
 # inference toolkit's (HF_TASK on SageMaker) for embeddings and a cross-encoder's ranking
@@ -183,10 +182,7 @@ def check_token_count(path: Path, field: str) -> None:
     """ValueError where `path` sets `field` to other than a positive whole number (or
     null): -1 was taken as the length, every request then failing (500), 0 refused them
     all, and true was said to clients as the model's length."""
-    if not path.is_file():
-        return
-    document = json_file(path)
-    value = document.get(field) if isinstance(document, dict) else None
+    value = json_file(path).get(field)
     if value is None:
         return
     whole = isinstance(value, int) and not isinstance(value, bool) and value >= 1

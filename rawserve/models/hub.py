@@ -791,8 +791,8 @@ class _Discard:
 
 
 def _size(count: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if count < 1000 or unit == "GB":
+    for unit in ("B", "kB", "MB"):
+        if count < 1000:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1000
     return f"{count:.1f} GB"

@@ -30,7 +30,7 @@ URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 HUB_HOSTS = ("huggingface.co", "www.huggingface.co", "hf.co")  # whose paths start org/name
 NOT_MODEL_PAGES = ("datasets", "spaces", "docs", "models", "collections")  # ... but these
 # What starts a folder name for sure (a Hub id never starts so).
-FOLDER_PREFIXES = ("/", "./", "../", "~", ".")
+FOLDER_PREFIXES = ("/", "~", ".")  # (".": "./" and "../" too)
 
 
 class ModelNameError(ValueError):

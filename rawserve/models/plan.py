@@ -107,6 +107,15 @@ def plan_models(
     return plans
 
 
+def _task_of(folder: Path, task: str | None) -> str | None:
+    """The task served from `folder` (`task`: as named, if named); None where the folder
+    cannot say (its facts say what is wrong)."""
+    try:
+        return TASK_ALIASES.get(task, task) if task else infer_task(folder)
+    except (OSError, ValueError):
+        return None
+
+
 def generates(plans: Sequence[ModelPlan]) -> bool:
     """Whether a text-generation model is among those planned."""
     return any(plan.facts is not None and plan.facts.task == "text-generation" for plan in plans)
@@ -210,10 +219,7 @@ def say_unlisted(resolved: ResolvedModel, task: str | None, named: str) -> None:
     if resolved.repo_id is None or resolved.files is not None:
         return
     folder = resolved.folder
-    try:
-        task = TASK_ALIASES.get(task, task) if task else infer_task(folder)
-    except (OSError, ValueError):  # (its facts say what is wrong)
-        task = None
+    task = _task_of(folder, task)
     missing = ""
     if not (folder / SENTENCE_MODULES).is_file():
         if (folder / SENTENCE_CONFIG).is_file():
@@ -252,9 +258,8 @@ def _fetch_only_graph(
     """An ONNX-only repo's graph, where the ONNX engine may serve the model here; else
     ModelNotFound saying why it cannot be served (nothing is downloaded for it). A task
     the folder does not say is left to its facts to report."""
-    try:
-        task = TASK_ALIASES.get(task, task) if task else infer_task(resolved.folder)
-    except (OSError, ValueError):
+    task = _task_of(resolved.folder, task)
+    if task is None:
         return
     unfit = onnx_unfit(task) or (None if onnx_graphs else ONNX_ELSEWHERE)
     if unfit:

@@ -35,9 +35,7 @@ def server_arguments(cmdline_path: str = "/proc/1/cmdline") -> list[str]:
     except OSError:
         return []
     for index, word in enumerate(words):
-        if word == "rawserve" and index and words[index - 1] == "-m":
-            return words[index + 1 :]
-        if os.path.basename(word) == "rawserve":
+        if os.path.basename(word) == "rawserve":  # (`-m rawserve`'s, or the command's)
             return words[index + 1 :]
     return []
 

@@ -74,12 +74,19 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 def give_back_free_memory() -> bool:
     """Return the heap's free pages to the system now (glibc's `malloc_trim`); False where
     there is no such allocator."""
-    trim = _glibc_function("malloc_trim")
+    trim = _malloc_trim()
     if trim is None:
         return False
-    trim.argtypes = (ctypes.c_size_t,)
     trim(0)
     return True
+
+
+def _malloc_trim() -> Any | None:
+    """glibc's `malloc_trim`, typed; None where there is none."""
+    trim = _glibc_function("malloc_trim")
+    if trim is not None:
+        trim.argtypes = (ctypes.c_size_t,)
+    return trim
 
 
 def resident_bytes() -> int | None:
@@ -113,9 +120,7 @@ class FreeMemoryReleaser:
         self.grown = grown
         self._resident = resident
         self._count = 0  # batches since the last trim
-        self._trim = _glibc_function("malloc_trim")
-        if self._trim is not None:
-            self._trim.argtypes = (ctypes.c_size_t,)
+        self._trim = _malloc_trim()
         self._trimmed_at = resident()  # the resident bytes after the last trim
 
     @property
