@@ -141,6 +141,18 @@ def test_a_handler_s_standard_library_values_are_written_as_fastapi_writes_them(
     json.loads(written)
 
 
+def test_a_text_with_a_lone_surrogate_is_written_as_python_s_json_writes_it():
+    """Bytes decoded with "surrogateescape" in a handler's answer: orjson refused them, a
+    500 logged as the server's own unexpected error (a tester)."""
+    value = ["a\udcff", {"text": "b\ud800", "k\udcff": 1}, 2**70, "é"]
+    written = encoding.dumps(value)
+    assert written == (
+        b'["a\\udcff",{"text":"b\\ud800","k\xef\xbf\xbd":1},1180591620717411303424,"\xc3\xa9"]'
+    )
+    assert json.loads(written)[0] == "a\udcff"
+    assert encoding.dumps_in_pieces(value) == written
+
+
 @pytest.mark.parametrize(
     "value",
     [

@@ -2620,6 +2620,15 @@ def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
             "the factory returned an async function",
         ),
         (
+            "def make():\n    async def f(inputs, **params):\n        yield inputs\n    return f\n",
+            "the factory returned an async function",
+        ),
+        (
+            "class Make:\n    async def __call__(self, inputs):\n        yield inputs\n"
+            "def make():\n    return Make()\n",
+            "the factory returned an async function",
+        ),
+        (
             "def make():\n    return lambda: []\n",
             "the factory returned a callable that takes no positional argument",
         ),
@@ -2789,6 +2798,51 @@ def test_parameters_a_handler_cannot_take_are_the_client_s_to_fix(
     assert says in refused[0].message
 
 
+def test_a_handler_that_changes_its_parameters_in_place_answers_each_input_as_alone(
+    monkeypatch, tmp_path
+):
+    """Its parameters were the request's own objects: a failing batch's halves were called
+    with what the first call had left in them ("added" once a call: "a" answered with it
+    three times, "d" seven; a tester)."""
+    from rawserve.worker.batch_runs import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    def f(inputs, labels):\n"
+        "        labels.append('added')\n"
+        "        if 'bad' in inputs: raise ValueError('bad input')\n"
+        "        return [[x, labels] for x in inputs]\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    params = {"labels": ["x"]}
+    answers = run_bisecting(serving, ["a", "b", "bad", "c", "d"], params)
+    assert answers[2] == ItemFailure(FailureKind.INPUT, "bad input")
+    good = [answer for place, answer in enumerate(answers) if place != 2]
+    assert good == [[value, ["x", "added"]] for value in "abcd"]
+    assert params == {"labels": ["x"]}
+
+
+def test_a_parameter_named_as_a_handler_method_s_self_is_the_client_s_to_fix(monkeypatch, tmp_path):
+    """A class's `__call__(self, inputs, **params)` took `self` into `**params` by its
+    signature, and the call failed: 500, and a traceback in the log."""
+    from rawserve.worker.batch_runs import run_bisecting
+
+    source = (
+        "class Make:\n"
+        "    def __call__(self, inputs, **params):\n"
+        "        if params.get('fail'): raise TypeError('its own')\n"
+        "        return inputs\n"
+        "def make():\n    return Make()\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    [refused] = run_bisecting(serving, ["a"], {"self": 1})
+    assert refused.kind is FailureKind.INPUT
+    assert refused.message.startswith("invalid parameters for the handler: ")
+    [failed] = run_bisecting(serving, ["a"], {"fail": True})  # its own TypeError: its fault
+    assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
 @pytest.mark.parametrize("answer", ["{'label': 'yes'}", "'yes'", "None"])
 def test_a_handler_answering_one_value_for_its_batch_fails_it(
     monkeypatch, tmp_path, caplog, answer
@@ -2937,6 +2991,13 @@ def sent(result: BatchResult, pickler: Any = pickle.Pickler) -> BatchResult:
     return message
 
 
+def answered(monkeypatch, tmp_path, source: str, count: int) -> tuple:
+    """A handler's answers to `count` inputs, as the server reads them from its worker."""
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    outputs = serving.run(["one"] * count, {})
+    return sent(BatchResult(1, tuple(outputs), 0.01), serving.answer_pickler).outputs
+
+
 def test_a_handler_s_answers_reach_the_server_as_plain_data(monkeypatch, tmp_path):
     """Pickled as they were, a torch tensor loaded torch into the server's process (then
     500: its JSON encoder refused it), and an object of the handler's own class imported
@@ -2959,10 +3020,7 @@ def test_a_handler_s_answers_reach_the_server_as_plain_data(monkeypatch, tmp_pat
         "                datetime.date(2024, 1, 2), 'plain']\n"
         "    return f\n"
     )
-    serving = handler_runner(monkeypatch, tmp_path, source)
-    outputs = serving.run(["one"] * 5, {})
-    answers = sent(BatchResult(1, tuple(outputs), 0.01), serving.answer_pickler).outputs
-    tensors, scored, opaque, date, plain = answers
+    tensors, scored, opaque, date, plain = answered(monkeypatch, tmp_path, source, 5)
     assert isinstance(tensors["v"], np.ndarray) and not isinstance(scored["score"], torch.Tensor)
     assert json.loads(dumps(tensors)) == {"v": [1.0, 2.0], "s": 0.5}
     assert json.loads(dumps(scored)) == {"label": "a", "score": 0.25}
@@ -2970,6 +3028,46 @@ def test_a_handler_s_answers_reach_the_server_as_plain_data(monkeypatch, tmp_pat
         FailureKind.INTERNAL, "the model's answer to this input cannot be sent"
     )
     assert (json.loads(dumps(date)), plain) == ("2024-01-02", "plain")
+
+
+def test_a_handler_s_namedtuples_enums_paths_and_addresses_reach_the_server_as_plain_data(
+    monkeypatch, tmp_path
+):
+    """A namedtuple (which the README says is written as a list), an Enum member, a path,
+    an IP address or a dict of the handler's own class was refused as an object of its
+    own class: 500, "the model's answer to this input cannot be sent" (a tester). Each is
+    sent as FastAPI writes it; an Enum member whose value is an object of its own is not."""
+    from rawserve.http.encoding import dumps
+
+    source = (
+        "import collections, enum, ipaddress, pathlib, typing\n"
+        "Point = collections.namedtuple('Point', 'x y')\n"
+        "class Pair(typing.NamedTuple):\n    a: int\n    b: str\n"
+        "class Color(enum.Enum):\n    RED = 'red'\n    ODD = object()\n"
+        "class Level(enum.IntEnum):\n    HIGH = 3\n"
+        "class Labels(dict):\n    pass\n"
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        return [Point(1, 2), Pair(3, 'c'), Color.RED, Level.HIGH,\n"
+        "                pathlib.Path('/tmp/x'), ipaddress.ip_address('::1'),\n"
+        "                ipaddress.ip_network('10.0.0.0/8'), Labels(a=Point(4, 5)),\n"
+        "                Color.ODD]\n"
+        "    return f\n"
+    )
+    answers = answered(monkeypatch, tmp_path, source, 9)
+    assert [json.loads(dumps(answer)) for answer in answers[:8]] == [
+        [1, 2],
+        [3, "c"],
+        "red",
+        3,
+        "/tmp/x",
+        "::1",
+        "10.0.0.0/8",
+        {"a": [4, 5]},
+    ]
+    assert answers[8] == ItemFailure(
+        FailureKind.INTERNAL, "the model's answer to this input cannot be sent"
+    )
 
 
 def test_an_output_pickle_cannot_write_fails_its_item_and_not_the_worker():

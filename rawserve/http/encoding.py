@@ -11,6 +11,7 @@ NaN and infinity, which JSON has no words for, are written as null.
 
 from __future__ import annotations
 
+import json
 from collections import UserString
 from collections.abc import Mapping, Sequence, Set
 from datetime import timedelta
@@ -62,13 +63,15 @@ def dumps(value: Any) -> bytes:
     try:
         return orjson.dumps(value, default=_default, option=OPTIONS)
     except TypeError as exc:  # (orjson.JSONEncodeError is one)
-        if "64-bit range" not in str(exc):
+        if not any(refusal in str(exc) for refusal in MENDED):
             raise
-    return orjson.dumps(_big_integers_written(value), default=_default, option=OPTIONS)
+    return orjson.dumps(_mended(value), default=_default, option=OPTIONS)
 
 
-# orjson refuses an integer past 64 bits ("... 64-bit range"), as a value or a key, which
-# JSON and Python's json write: a handler's 2**70 was a 500
+# What orjson refuses that JSON and Python's json write (each was a handler's 500): an
+# integer past 64 bits (2**70), as a value or a key, and a text holding a lone surrogate
+# (bytes decoded with "surrogateescape"), which Python's json writes escaped ("\udcff")
+MENDED = ("64-bit range", "surrogates not allowed")
 _SMALLEST, _LARGEST = -(2**63), 2**64 - 1  # what orjson writes itself
 
 
@@ -76,18 +79,34 @@ def _too_big(value: Any) -> bool:
     return isinstance(value, int) and not _SMALLEST <= value <= _LARGEST
 
 
-def _big_integers_written(value: Any) -> Any:
-    """`value` with each integer orjson cannot write as the JSON number it is."""
+def _mended(value: Any) -> Any:
+    """`value` with each integer and text orjson cannot write written as Python's json
+    writes it (a key's lone surrogates as U+FFFD: a key cannot be written escaped)."""
     if _too_big(value):
         return orjson.Fragment(str(int(value)).encode())
+    if isinstance(value, str) and not value.isascii():
+        return orjson.Fragment(json.dumps(value).encode()) if _lone_surrogates(value) else value
     if isinstance(value, dict):
-        return {
-            str(int(key)) if _too_big(key) else key: _big_integers_written(item)
-            for key, item in value.items()
-        }
+        return {_mended_key(key): _mended(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_big_integers_written(item) for item in value]
+        return [_mended(item) for item in value]
     return value
+
+
+def _mended_key(key: Any) -> Any:
+    if _too_big(key):
+        return str(int(key))
+    if isinstance(key, str) and _lone_surrogates(key):
+        return key.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return key
+
+
+def _lone_surrogates(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def dumps_in_pieces(value: Any) -> bytes:

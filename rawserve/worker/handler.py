@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import importlib
 import inspect
+import ipaddress
 import logging
 import os
 import pickle
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import PurePath
 from types import ModuleType
 from typing import Any
 
@@ -34,6 +37,11 @@ log = logging.getLogger("rawserve.worker")
 SENT_AS_THEY_ARE = frozenset(
     {"builtins", "copyreg", "rawserve", "numpy", "datetime", "uuid", "decimal", "collections"}
 )
+# the builtin types whose subclasses (a namedtuple, a dict or str of the handler's own
+# class) are sent as that type, as the JSON encoder writes them
+PLAIN_TYPES: tuple[type[Any], ...] = (int, float, str, bytes, tuple, list, dict)
+ADDRESSES = (ipaddress.IPv4Address, ipaddress.IPv6Address)
+NETWORKS = (ipaddress.IPv4Network, ipaddress.IPv6Network)
 
 
 class AnswerPickler(pickle.Pickler):
@@ -61,10 +69,29 @@ class AnswerPickler(pickle.Pickler):
             return dict, (
                 {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)},
             )
+        if (plain := plain_form(obj)) is not None:
+            return plain
         raise pickle.PicklingError(
             f"the handler answered an object of {module}.{type(obj).__qualname__}: "
             "answer plain data (dicts, lists, strings, numbers, numpy arrays or torch tensors)"
         )
+
+
+def plain_form(obj: Any) -> tuple[type, tuple[Any]] | None:
+    """How a value FastAPI writes as a plain one is sent (a reduction to a builtin type):
+    a namedtuple (or another subclass of a builtin type of the handler's own) as that
+    type, an Enum member as its value, a path or an IP address as its text; None where
+    it is none such. (A namedtuple, as the README says, was a 500.)"""
+    if isinstance(obj, enum.Enum):
+        obj = obj.value
+        if type(obj) in PLAIN_TYPES:
+            return type(obj), (obj,)
+    for plain in PLAIN_TYPES:
+        if isinstance(obj, plain):
+            return plain, (plain(obj),)
+    if isinstance(obj, (PurePath, *ADDRESSES, *NETWORKS)):
+        return str, (str(obj),)
+    return None
 
 
 class HandlerStopped(RuntimeError):
@@ -120,8 +147,16 @@ class HandlerRunner(Runner):
         # a copy: a handler may consume its list, or change its inputs in place (a dict's
         # pop, a list's sort), which a failed batch is split from again (its batch-mates
         # failed with a KeyError, and the input at fault with them)
+        # (and of its parameters, which a split batch's halves are called with again)
+        own = {name: own_copy(value) for name, value in params.items()}
         with exits_as_errors():
-            answers = self.handler([own_copy(value) for value in inputs], **params)
+            try:
+                answers = self.handler([own_copy(value) for value in inputs], **own)
+            except TypeError as exc:
+                if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                    raise  # (raised in the handler's own code)
+                # the call itself refused them: one named as a method's hidden `self`
+                raise ValueError(f"invalid parameters for the handler: {exc}") from None
             # one answer where a list of them was due: a dict or a text would be read as its
             # keys or characters, each the answer of an input
             if isinstance(answers, (Mapping, str, bytes)) or not isinstance(answers, Iterable):
@@ -209,7 +244,10 @@ def handler_signature(spec: str, handler: Any) -> inspect.Signature | None:
             "not a callable f(inputs, **params)"
         )
     called = type(handler).__call__  # an instance's own `async def __call__`
-    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(called):
+    if any(
+        inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function)
+        for function in (handler, called)
+    ):
         raise TypeError(
             f"--handler {spec}: the factory returned an async function; "
             "the handler is called in the worker's thread: make it a plain def"
