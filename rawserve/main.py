@@ -187,6 +187,7 @@ def build_model(
         group_lengths=model.batching is Batching.COST,
         workers=len(workers.devices),
         estimate=input_estimate(plan.facts.task if plan.facts is not None else None),
+        max_call_seconds=model.batch_timeout,
     )
     # behind HTTP processes an answer settled here is a message, not a response to write:
     # a batch's answers go in one pass, one frame to each HTTP process (bench/RESULTS.md)

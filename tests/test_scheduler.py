@@ -3270,3 +3270,19 @@ def test_a_batch_nobody_waits_for_any_more_is_learned_as_stopped_not_finished():
         return scheduler.core.cost_model.calls
 
     assert _drive(FakeBackend(), body) == 0
+
+
+def test_a_batch_predicted_to_run_past_the_batch_timeout_is_not_made():
+    """Its worker would be killed as hung: at 0.25 s an item and a 2 s --batch-timeout,
+    every burst's batch of 15 was, its items then run one by one (a tester). A batch
+    predicted to take no more than the timeout over DEADLINE_MARGIN goes; one item
+    alone always does, whatever its prediction."""
+    for timeout, most in ((2.0, 6), (None, 16)):
+        core = measured(SchedulerCore(max_batch_size=32, max_call_seconds=timeout), 0.01)
+        queue_items(core, [text(25)] * 16, deadline=600.0)  # 0.25 s each
+        batch = next_batch(core, now=0.0)
+        assert batch is not None and len(batch) == most, timeout
+    core = measured(SchedulerCore(max_batch_size=32, max_call_seconds=2.0), 0.01)
+    queue_items(core, [text(400)] * 2, deadline=600.0)  # 4 s each
+    batch = next_batch(core, now=0.0)
+    assert batch is not None and len(batch) == 1

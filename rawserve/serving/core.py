@@ -326,6 +326,8 @@ class SchedulerCore:
     answer_lengths: AnswerLengths = field(default_factory=AnswerLengths)
     pace: SequencePace = field(default_factory=SequencePace)
     batch_cap: int | None = None  # the workers' own, lower after out-of-memory errors
+    # --batch-timeout: a batch predicted to run past it is not made (`_limits_for`)
+    max_call_seconds: float | None = None
     _queues: dict[str, list[WorkItem]] = field(default_factory=dict)
     _minima: dict[str, QueueMinima[WorkItem]] = field(default_factory=dict)  # per key
     _size: int = 0
@@ -1122,7 +1124,12 @@ class SchedulerCore:
         model = self.cost_model
         if not model.trusted or model.per_item + model.per_token <= 0:
             return limits
-        seconds = (deadline - now) / DEADLINE_MARGIN - model.fixed
+        seconds = (deadline - now) / DEADLINE_MARGIN
+        if self.max_call_seconds is not None:  # nor past the batch timeout: its worker
+            # would be killed as hung (0.25 s an item and a 2 s timeout: every burst's
+            # batch of 15 was, its items then run one by one)
+            seconds = min(seconds, self.max_call_seconds / DEADLINE_MARGIN)
+        seconds -= model.fixed
         return replace(
             limits, max_seconds=seconds, per_item=model.per_item, per_token=model.per_token
         )
