@@ -372,7 +372,11 @@ class Stop:
 
 
 def reason(error: OSError) -> str:
-    """An OS error's own words ("Address already in use"), without its number."""
+    """An OS error's own words ("Address already in use"), without its number: its
+    errno's (asyncio's bind error puts a sentence of its own in `strerror`, the line
+    then said the address twice with one HTTP process, once with several)."""
+    if error.errno is not None:
+        return os.strerror(error.errno)
     return error.strerror or str(error)
 
 
