@@ -149,7 +149,7 @@ def plan_workers(
     reason = f"--device {model.device or 'auto'}"
     chosen = False
     if devices is None:
-        if layout.gpu_present():
+        if layout.gpu_usable(handler=any(plan.handler for plan in plans)):
             devices = tuple(parse_devices("auto", os.environ.get("CUDA_VISIBLE_DEVICES")))
         else:
             size = sum(layout.model_bytes(Path(plan.folder)) for plan in plans if plan.folder)

@@ -37,7 +37,7 @@ from rawserve.http_process.front import FINAL_WRITE_SECONDS
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.names import as_text
 from rawserve.models.plan import ModelPlan, generates, plan_models
-from rawserve.ops import layout_trial, loops
+from rawserve.ops import layout, layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
 from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_limit
@@ -52,9 +52,9 @@ from rawserve.options import (
 )
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
-from rawserve.shared import log_writer
+from rawserve.shared import installed, log_writer
 from rawserve.shared.board import SharedMemoryError
-from rawserve.shared.devices import cpu_cores
+from rawserve.shared.devices import cpu_cores, gpu_present
 from rawserve.shared.logs import setup_logging
 from rawserve.shared.memory import fix_mmap_threshold
 from rawserve.shared.messages import WorkerConfig
@@ -528,6 +528,13 @@ def start(argv: Sequence[str] | None) -> int:
         for plan in plans:
             log.info("model %s: %s", plan.name, plan.folder or plan.handler)
         return 0
+    shown = layout.on_gpu(config.model.devices, gpu_present)  # (no --device, or auto)
+    if shown and not config.handler and layout.cpu_only_torch():
+        log.warning(  # (what each worker on --device auto would say as it loads)
+            "the machine shows a GPU, and torch %s is a build without CUDA: serving on the "
+            "CPU (install a CUDA build of torch to serve on the GPU)",
+            installed.version("torch"),
+        )
     now = datetime.datetime.now(datetime.UTC)
     if config.tls and (warning := validity_warning(config.tls.certfile, now)):
         log.warning("%s: every client that verifies it will refuse to connect", warning)

@@ -691,7 +691,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             devices = tuple(parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES")))
         except ValueError as exc:
             parser.error(str(exc))
-    gpu = layout.on_gpu(devices)
+    gpu = layout.on_gpu(devices, handler=bool(args.handler))
     args.max_batch_size, args.max_batch_tokens, batch_limits = batch_defaults(
         args.max_batch_size, args.max_batch_tokens, gpu
     )

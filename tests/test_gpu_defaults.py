@@ -12,6 +12,7 @@ import pytest
 
 from rawserve.config import plan_workers
 from rawserve.main import model_facts
+from rawserve.models.plan import ModelPlan
 from rawserve.ops import layout
 from rawserve.options import (
     CPU_MAX_BATCH_SIZE,
@@ -27,8 +28,9 @@ from tests.test_config import handler_plan
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """A machine that shows a GPU (the probe rawserve reads, faked)."""
+    """A machine that shows a GPU (the probe rawserve reads, faked), and a CUDA torch."""
     monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: True)
+    monkeypatch.setattr("rawserve.ops.layout.cpu_only_torch", lambda: False)
 
 
 @pytest.fixture
@@ -50,6 +52,21 @@ def no_gpu(monkeypatch):
 def test_a_gpu_batches_hundreds_of_items_bounded_by_tokens(gpu, argv, size, tokens):
     model = parse_config(argv).model
     assert (model.max_batch_size, model.max_batch_tokens) == (size, tokens)
+
+
+def test_a_gpu_a_cpu_torch_cannot_use_is_planned_as_a_cpu_but_for_a_handler(gpu, monkeypatch):
+    """A CPU build of torch on a GPU machine (the default install, not overridden): its
+    default layout was a GPU's, one worker with every core and a GPU's batches, serving
+    on the CPU. A handler's code may use the GPU with another library."""
+    monkeypatch.setattr("rawserve.ops.layout.cpu_only_torch", lambda: True)
+    monkeypatch.setenv("RAWSERVE_DEVICE", "")  # (no --device: the default layout)
+    model = parse_config([]).model
+    assert (model.max_batch_size, model.max_batch_tokens) == (CPU_MAX_BATCH_SIZE, None)
+    workers = plan_workers(model, [ModelPlan(("m",), "/m", "/m")], cores=4)
+    assert workers.devices == ("cpu",) * 4
+    handler = parse_config(["--handler", "tests.handlers:echo"]).model
+    assert handler.max_batch_size == GPU_MAX_BATCH_SIZE
+    assert plan_workers(handler, [handler_plan()], cores=4).devices == ("auto",)
 
 
 def test_a_cpu_keeps_its_defaults(no_gpu):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA
-from rawserve.shared import cgroups
+from rawserve.shared import cgroups, installed
 from rawserve.shared.devices import AFFINITY, CoreCount, gpu_present
 
 RAM_SHARE = 0.5  # of the machine's RAM, for all the model workers together
@@ -124,15 +124,33 @@ def model_bytes(folder: Path) -> int:
         return 0
 
 
-def on_gpu(devices: Sequence[str] | None, present: Callable[[], bool] | None = None) -> bool:
+def gpu_usable(handler: bool = False) -> bool:
+    """Whether the machine shows a GPU (`gpu_present`) its workers can use: a handler's
+    code may use any library; a model's needs a CUDA build of torch (planned as a GPU's
+    with a CPU build, one worker took every core with a GPU's batches, on the CPU)."""
+    return gpu_present() and (handler or not cpu_only_torch())
+
+
+def cpu_only_torch() -> bool:
+    """Whether the installed torch is a build without CUDA, as far as its distribution's
+    version says without importing it (`+cpu`)."""
+    return (installed.version("torch") or "").endswith("+cpu")
+
+
+def on_gpu(
+    devices: Sequence[str] | None,
+    present: Callable[[], bool] | None = None,
+    *,
+    handler: bool = False,
+) -> bool:
     """Whether the workers of `devices` (--device parsed; None: the default layout) run on
-    a GPU: a cuda device named, or auto (or nothing) where the machine shows one.
-    `present`: the probe (gpu_present; tests fake it)."""
+    a GPU: a cuda device named, or auto (or nothing) where the machine shows one they can
+    use (`gpu_usable`; a `handler`'s may use any). `present`: the probe (tests fake it)."""
     if devices and any(device.startswith("cuda") for device in devices):
         return True
     if devices and all(device != "auto" for device in devices):
         return False
-    return (present or gpu_present)()
+    return present() if present is not None else gpu_usable(handler)
 
 
 def engine_device(devices: Sequence[str] | None, present: Callable[[], bool] | None = None) -> str:
