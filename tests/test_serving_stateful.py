@@ -896,6 +896,37 @@ def test_a_prompt_in_two_crashes_of_a_continuous_worker_runs_alone_once_its_rows
     assert third.outcome == new.outcome == "results"
 
 
+def test_a_prompt_run_alone_holds_back_one_continuous_worker_the_other_serving(loaded):
+    """Waiting for any worker's rows to be done, a prompt to run alone held every new
+    request back on every worker (a reviewer: 504 at 3 s beside 62 free rows, where it
+    was 200 in 0.16 s): it waits for one worker's, and the other serves meanwhile."""
+    serving = loaded(kind="continuous", max_batch_size=4, workers=2)
+    first, second = serving.pool.workers
+    serving.load(second)
+    for _ in range(2):  # in two crashed batches
+        serving.pool.poison.suspect(PoisonMemory.key("poison", {}))
+    for name in ("long 1", "long 2"):
+        serving.arrive([name], {}, timeout=600.0)
+    assert {w.running.rows for w in serving.pool.workers} == {1}
+    alone = serving.arrive(["poison"], {}, timeout=60.0)
+    fresh = serving.arrive(["fresh"], {}, timeout=60.0)
+
+    def running() -> dict[int, list]:
+        found = serving.answerable()
+        return {
+            worker.index: sorted(batch.inputs for w, _, batch in found if w is worker)
+            for worker in serving.pool.workers
+        }
+
+    assert sorted(running().values()) == [[("fresh",), ("long 2",)], [("long 1",)]], running()
+    held = first if running()[first.index] == [("long 1",)] else second
+    [(_, conn, batch)] = [found for found in serving.answerable() if found[0] is held]
+    serving.answer(held, conn, batch)  # its rows done: the prompt runs alone on it
+    assert running()[held.index] == [("poison",)] and held.room() == 0
+    assert alone.outcome is None and fresh.outcome is None
+    serving.check()
+
+
 def test_a_crashed_batch_due_before_its_workers_restart_is_answered_beside_an_idle_worker(
     loaded,
 ):

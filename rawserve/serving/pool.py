@@ -311,8 +311,8 @@ class WorkerPool(PoolReports):
         rest = [i for i in range(len(inputs)) if i not in refused and i not in alone]
         if rest:
             self._send(worker, whole.part(rest, next(self._batch_ids)))
-        if alone:
-            self._run_alone(whole, alone)
+        if alone:  # (a continuous worker's: on it, the others serving the queue meanwhile)
+            self._run_alone(whole, alone, worker.index if worker.sequences else None)
         return future
 
     def _refuse_poison(self, job: Job, refused: list[int]) -> None:
@@ -322,15 +322,18 @@ class WorkerPool(PoolReports):
             self.metrics.drop("poison", len(refused))
         job.answer_unrun(refused, REFUSED_POISON)
 
-    def _run_alone(self, job: Job, alone: list[int]) -> None:
+    def _run_alone(self, job: Job, alone: list[int], home: int | None = None) -> None:
         """Run each input of `job` at `alone`, remembered but not quarantined, alone, on
         the first idle worker, before what the scheduler sends next (as a retry after a
-        crash is): a crash of it then tells of that input, as a first run's crash alone
-        does; answered, it is forgotten (`PoisonMemory.cleared`)."""
+        crash is), or on `home` once it is idle (a continuous worker's rows done: the
+        others serve meanwhile, where every worker held new requests back for it): a
+        crash of it then tells of that input, as a first run's crash alone does;
+        answered, it is forgotten (`PoisonMemory.cleared`)."""
         said = "running %d input(s) alone%s: a worker died running each before, alone or in a "
         say_of(job, alone, said + "batch (alone, its crash tells of it)")
         for index in alone:
-            self._retries.append(replace(job.part([index], next(self._batch_ids)), isolated=True))
+            part = job.part([index], next(self._batch_ids))
+            self._retries.append(replace(part, isolated=True, home=home))
         self._send_retries()
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
