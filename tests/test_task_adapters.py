@@ -2841,6 +2841,13 @@ def test_a_parameter_named_as_a_handler_method_s_self_is_the_client_s_to_fix(mon
     assert refused.message.startswith("invalid parameters for the handler: ")
     [failed] = run_bisecting(serving, ["a"], {"fail": True})  # its own TypeError: its fault
     assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+    # a wrapper written in C raises in no frame of the handler's either (a reviewer: 422)
+    source = (
+        "import functools\ndef make():\n    return functools.lru_cache(lambda inputs: inputs)\n"
+    )
+    cached = handler_runner(monkeypatch, tmp_path, source)
+    [failed] = run_bisecting(cached, ["a"], {})  # (a list is no cache key)
+    assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
 @pytest.mark.parametrize("answer", ["{'label': 'yes'}", "'yes'", "None"])
@@ -3046,16 +3053,18 @@ def test_a_handler_s_namedtuples_enums_paths_and_addresses_reach_the_server_as_p
         "class Color(enum.Enum):\n    RED = 'red'\n    ODD = object()\n"
         "class Level(enum.IntEnum):\n    HIGH = 3\n"
         "class Labels(dict):\n    pass\n"
+        "class Said(str):\n    def __str__(self): return 'its own'\n"
+        "class Count(int):\n    def __int__(self): return 99\n"
         "def make():\n"
         "    def f(inputs, **params):\n"
         "        return [Point(1, 2), Pair(3, 'c'), Color.RED, Level.HIGH,\n"
         "                pathlib.Path('/tmp/x'), ipaddress.ip_address('::1'),\n"
         "                ipaddress.ip_network('10.0.0.0/8'), Labels(a=Point(4, 5)),\n"
-        "                Color.ODD]\n"
+        "                [Said('x'), Count(5)], Color.ODD]\n"
         "    return f\n"
     )
-    answers = answered(monkeypatch, tmp_path, source, 9)
-    assert [json.loads(dumps(answer)) for answer in answers[:8]] == [
+    answers = answered(monkeypatch, tmp_path, source, 10)
+    assert [json.loads(dumps(answer)) for answer in answers[:9]] == [
         [1, 2],
         [3, "c"],
         "red",
@@ -3064,8 +3073,9 @@ def test_a_handler_s_namedtuples_enums_paths_and_addresses_reach_the_server_as_p
         "::1",
         "10.0.0.0/8",
         {"a": [4, 5]},
+        ["x", 5],  # (as JSON writes them: not their own __str__ and __int__)
     ]
-    assert answers[8] == ItemFailure(
+    assert answers[9] == ItemFailure(
         FailureKind.INTERNAL, "the model's answer to this input cannot be sent"
     )
 

@@ -81,24 +81,39 @@ def _too_big(value: Any) -> bool:
 
 def _mended(value: Any) -> Any:
     """`value` with each integer and text orjson cannot write written as Python's json
-    writes it (a key's lone surrogates as U+FFFD: a key cannot be written escaped)."""
+    writes it, in whatever `_default` writes as a list or an object too (a set, a deque)."""
     if _too_big(value):
         return orjson.Fragment(str(int(value)).encode())
-    if isinstance(value, str) and not value.isascii():
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
         return orjson.Fragment(json.dumps(value).encode()) if _lone_surrogates(value) else value
     if isinstance(value, dict):
-        return {_mended_key(key): _mended(item) for key, item in value.items()}
+        if any(isinstance(key, str) and _lone_surrogates(key) for key in value):
+            return _object_written(value)  # (orjson writes no key as a fragment)
+        return {str(int(key)) if _too_big(key) else key: _mended(v) for key, v in value.items()}
     if isinstance(value, list | tuple):
         return [_mended(item) for item in value]
-    return value
+    if isinstance(value, np.ndarray) and value.dtype.kind in "fiub":
+        return value  # (no text in it)
+    try:
+        written = _default(value)
+    except TypeError:
+        return value  # (orjson says what it cannot write)
+    return _mended(written)
 
 
-def _mended_key(key: Any) -> Any:
-    if _too_big(key):
-        return str(int(key))
-    if isinstance(key, str) and _lone_surrogates(key):
-        return key.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-    return key
+def _object_written(value: dict[Any, Any]) -> orjson.Fragment:
+    """A dict with a key of lone surrogates, written whole: each key as Python's json
+    writes it (two such keys made one, mended alike), or as orjson writes it."""
+    members = []
+    for key, item in value.items():
+        if isinstance(key, str) or _too_big(key):
+            named = json.dumps(str(key)).encode()
+        else:  # (an int's or a date's, as orjson writes it as a key)
+            named = orjson.dumps({key: None}, option=OPTIONS)[1:-6]
+        members.append(named + b":" + dumps(item))
+    return orjson.Fragment(b"{" + b",".join(members) + b"}")
 
 
 def _lone_surrogates(text: str) -> bool:

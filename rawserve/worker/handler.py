@@ -16,8 +16,9 @@ import ipaddress
 import logging
 import os
 import pickle
+import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import PurePath
 from types import ModuleType
@@ -38,8 +39,17 @@ SENT_AS_THEY_ARE = frozenset(
     {"builtins", "copyreg", "rawserve", "numpy", "datetime", "uuid", "decimal", "collections"}
 )
 # the builtin types whose subclasses (a namedtuple, a dict or str of the handler's own
-# class) are sent as that type, as the JSON encoder writes them
-PLAIN_TYPES: tuple[type[Any], ...] = (int, float, str, bytes, tuple, list, dict)
+# class) are sent as that type, as the JSON encoder writes them, each copied by the
+# type's own method (a subclass's `__str__` or `__int__` is not what JSON writes)
+PLAIN_COPIES: dict[type[Any], Callable[[Any], Any]] = {
+    int: int.__int__,
+    float: float.__float__,
+    str: str.__str__,
+    bytes: bytes.__bytes__,
+    tuple: tuple,
+    list: list,
+    dict: dict,
+}
 ADDRESSES = (ipaddress.IPv4Address, ipaddress.IPv6Address)
 NETWORKS = (ipaddress.IPv4Network, ipaddress.IPv6Network)
 
@@ -84,11 +94,11 @@ def plain_form(obj: Any) -> tuple[type, tuple[Any]] | None:
     it is none such. (A namedtuple, as the README says, was a 500.)"""
     if isinstance(obj, enum.Enum):
         obj = obj.value
-        if type(obj) in PLAIN_TYPES:
+        if type(obj) in PLAIN_COPIES:
             return type(obj), (obj,)
-    for plain in PLAIN_TYPES:
+    for plain, copied in PLAIN_COPIES.items():
         if isinstance(obj, plain):
-            return plain, (plain(obj),)
+            return plain, (copied(obj),)
     if isinstance(obj, (PurePath, *ADDRESSES, *NETWORKS)):
         return str, (str(obj),)
     return None
@@ -153,7 +163,7 @@ class HandlerRunner(Runner):
             try:
                 answers = self.handler([own_copy(value) for value in inputs], **own)
             except TypeError as exc:
-                if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                if not refused_call(exc):
                     raise  # (raised in the handler's own code)
                 # the call itself refused them: one named as a method's hidden `self`
                 raise ValueError(f"invalid parameters for the handler: {exc}") from None
@@ -172,6 +182,21 @@ class HandlerRunner(Runner):
         # an ordinary error, which the batch's run tells as the model's failure
         with exits_as_errors():
             return super().describe_failure(exc)
+
+
+# Python's words where a call's arguments do not fit the function's parameters
+REFUSED_CALL = re.compile(
+    r"got multiple values for argument|got an unexpected keyword argument|"
+    r"missing \d+ required|takes \d+ positional argument"
+)
+
+
+def refused_call(exc: TypeError) -> bool:
+    """Whether `exc` is the call's own refusal of its arguments, raised before any frame
+    of the handler ran: not one of its code's, nor of a wrapper written in C (an
+    `lru_cache`'s "unhashable type" was a 422)."""
+    no_frame = exc.__traceback__ is not None and exc.__traceback__.tb_next is None
+    return no_frame and REFUSED_CALL.search(str(exc)) is not None
 
 
 def own_copy(value: Any) -> Any:
