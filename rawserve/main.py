@@ -472,12 +472,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Serve until stopped: the exit code. A stop signal (SIGTERM, SIGHUP and Ctrl-C raise
     KeyboardInterrupt until the server's own handlers take them) between any two steps of
     the start ends it with code 1 and a line saying so: one between them (the options read,
-    the workers planned) ended it with Python's traceback and the exit status of SIGINT."""
+    the workers planned) ended it with Python's traceback and the exit status of SIGINT.
+    The signals' handlers it found are put back as it returns (a program that runs the
+    server in its own process kept those of the start)."""
+    found = {signum: signal.getsignal(signum) for signum in stop_signals()}
     try:
         return start(argv)
     except KeyboardInterrupt:
         log.warning("stopped while starting")
         return 1
+    finally:
+        for signum, handler in found.items():
+            if handler is not None:  # (None: one not set from Python, left as it is)
+                signal.signal(signum, handler)
 
 
 def start(argv: Sequence[str] | None) -> int:

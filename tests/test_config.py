@@ -656,6 +656,26 @@ def test_main_alone_stops_its_start_on_sighup_as_the_command_does():
     assert "stopped while starting" in done.stderr
 
 
+EMBEDDED_MAIN = """
+import signal
+def mine(signum, frame):
+    pass
+signal.signal(signal.SIGHUP, mine)
+signal.signal(signal.SIGTERM, mine)
+from rawserve.main import main
+code = main(["--download-only"])
+print(code, signal.getsignal(signal.SIGHUP) is mine, signal.getsignal(signal.SIGTERM) is mine)
+"""
+
+
+def test_main_gives_back_the_signal_handlers_it_found():
+    """A program that runs the server in its own process kept the start's handlers for
+    SIGTERM and SIGHUP (Ctrl-C's) after `main()` returned (a reviewer)."""
+    done = run_python("-c", EMBEDDED_MAIN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0", "True", "True"]
+
+
 SIGTERM_WHILE_IMPORTING = """
 import os, runpy, signal, sys
 
