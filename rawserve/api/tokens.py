@@ -134,8 +134,13 @@ class ServerTokenizer:
         parts: list[bytes] = []
         size = 2  # the brackets around the list
         tokens = 0
-        for text in texts:
-            encoding, start = self.encode(text, add_special, bound)
+        spans = [self._span(text, add_special, bound) for text in texts]
+        # one batch: the library lets go of the GIL as it encodes it, where its encode of
+        # one text holds it (32 texts of 3,000 words stalled the event loop 0.2 s a request)
+        pieces = [text[start:end] for text, (start, end) in zip(texts, spans, strict=True)]
+        encoded = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
+        for text, (start, _), piece in zip(texts, spans, encoded, strict=True):
+            encoding = self._finished(piece, add_special, bound)
             part = tokens_json(encoding, text, start)
             size += len(part) + 1
             if size > max_bytes:
@@ -168,24 +173,39 @@ class ServerTokenizer:
     ) -> tuple[tokenizers.Encoding, int]:
         """`text`'s encoding within `bound`, and the character where the encoded part
         starts (0 unless the start was cut). Never encodes much more than it keeps."""
+        start, end = self._span(text, add_special, bound)
+        encoding = self.tokenizer.encode(text[start:end], add_special_tokens=False)
+        return self._finished(encoding, add_special, bound), start
+
+    def _budget(self, add_special: bool, bound: TokenBound) -> int:
         specials = self.finisher.num_special_tokens_to_add(False) if add_special else 0
-        budget = max(bound.max_tokens - specials, 0)
-        piece_start, piece_end = 0, len(text)
-        if len(text) > PIECE_CHARS:
-            from_end = bound.direction == "left"
-            over = span_past(self._piece_tokens, text, budget + COUNT_MARGIN, from_end)
-            if over is not None:
-                if not bound.truncate:
-                    raise TooManyTokens(bound.max_tokens)
-                piece_start, piece_end = over
-        piece = text[piece_start:piece_end]
-        encoding = self.tokenizer.encode(piece, add_special_tokens=False)
+        return max(bound.max_tokens - specials, 0)
+
+    def _span(self, text: str, add_special: bool, bound: TokenBound) -> tuple[int, int]:
+        """The characters of `text` to encode: all, or (a long text over the bound, cut)
+        a little more than the bound keeps."""
+        if len(text) <= PIECE_CHARS:
+            return 0, len(text)
+        from_end = bound.direction == "left"
+        budget = self._budget(add_special, bound)
+        over = span_past(self._piece_tokens, text, budget + COUNT_MARGIN, from_end)
+        if over is None:
+            return 0, len(text)
+        if not bound.truncate:
+            raise TooManyTokens(bound.max_tokens)
+        return over
+
+    def _finished(
+        self, encoding: tokenizers.Encoding, add_special: bool, bound: TokenBound
+    ) -> tokenizers.Encoding:
+        """An encoding cut to `bound` (TooManyTokens where it may not be), its special
+        tokens added."""
+        budget = self._budget(add_special, bound)
         if len(encoding) > budget:
             if not bound.truncate:
                 raise TooManyTokens(bound.max_tokens)
             encoding.truncate(budget, direction=bound.direction)
-        encoding = self.finisher.post_process(encoding, add_special_tokens=add_special)
-        return encoding, piece_start
+        return self.finisher.post_process(encoding, add_special_tokens=add_special)
 
     async def decode(self, id_lists: Sequence[Sequence[int]], skip_special: bool) -> list[str]:
         """Each list of ids as text; UnknownTokenId for an id outside the vocabulary."""
