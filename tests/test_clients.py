@@ -113,6 +113,11 @@ def test_feature_extraction_is_the_pooled_normalized_sentence_vector(servers, ti
     np.testing.assert_allclose(got.reshape(-1), expected[0].numpy(), atol=1e-5)
     unnormalized = client(servers["embedding"]).feature_extraction("hello world", normalize=False)
     assert np.linalg.norm(unnormalized) != pytest.approx(1.0, abs=1e-3)
+    # its encoding_format, floats (was 400 "unknown field(s)": TEI takes it; a tester)
+    floats = client(servers["embedding"]).feature_extraction("hello world", encoding_format="float")
+    np.testing.assert_allclose(floats, got)
+    with pytest.raises(Exception, match="encoding_format"):  # (base64: /v1/embeddings')
+        client(servers["embedding"]).feature_extraction("hello world", encoding_format="base64")
 
 
 def test_text_classification(servers, local):

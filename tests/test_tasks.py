@@ -124,8 +124,8 @@ def test_another_tasks_fields_say_which_task_takes_them():
     assert str(refused.value) == (
         "unknown field(s) for feature-extraction: 'stream'; stream is a field of "
         "text-generation (a model is served for one task: MODEL:TASK); allowed: dimensions, "
-        "inputs, normalize, options, parameters, pooling, prompt_name, truncate, "
-        "truncation_direction"
+        "encoding_format, inputs, normalize, options, parameters, pooling, prompt_name, "
+        "truncate, truncation_direction"
     )
     with pytest.raises(BadRequest) as refused:  # no task's: the fields it takes, as before
         parse_json_body("feature-extraction", {"inputs": "hi", "straem": True})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from rawserve.tasks.checks import (
     NUMBER,
     boolean,
+    ignored,
     int_range,
     lower_one_of,
     one_of,
@@ -28,6 +29,9 @@ TASK = Task(
         "dimensions": int_range(1, 65536),  # keep the first N (Matryoshka models)
         # a prompt of the model's own before each text (the server puts it there)
         "prompt_name": short_text,
+        # InferenceClient's feature_extraction sends it as given; floats are its answer
+        # (base64 is /v1/embeddings')
+        "encoding_format": ignored("float"),
     },
     params_at_root=True,
     # a sentence vector [hidden], or token vectors [1, tokens, hidden] (pooling "none")
