@@ -375,7 +375,7 @@ def reason(error: OSError) -> str:
     """An OS error's own words ("Address already in use"), without its number: its
     errno's (asyncio's bind error puts a sentence of its own in `strerror`, the line
     then said the address twice with one HTTP process, once with several)."""
-    if error.errno is not None:
+    if error.errno is not None and error.errno > 0:  # (an address lookup's are below 0)
         return os.strerror(error.errno)
     return error.strerror or str(error)
 
@@ -535,9 +535,10 @@ def start(argv: Sequence[str] | None) -> int:
         for plan in plans:
             log.info("model %s: %s", plan.name, plan.folder or plan.handler)
         return 0
-    shown = layout.on_gpu(config.model.devices, gpu_present)  # (no --device, or auto)
-    if shown and not config.handler and layout.cpu_only_torch():
-        log.warning(  # (what each worker on --device auto would say as it loads)
+    # (with --device auto, each worker says so as it loads)
+    default_layout = config.model.devices is None and not config.handler
+    if default_layout and gpu_present() and layout.cpu_only_torch():
+        log.warning(
             "the machine shows a GPU, and torch %s is a build without CUDA: serving on the "
             "CPU (install a CUDA build of torch to serve on the GPU)",
             installed.version("torch"),

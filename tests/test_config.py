@@ -983,3 +983,13 @@ def test_sagemaker_s_serve_command_serves_on_its_port(monkeypatch, capsys):
         assert f"SAGEMAKER_BIND_TO_PORT={wrong!r}: not a port number" in said, said
     with pytest.raises(SystemExit):  # the word only leads: elsewhere it is no option
         parse_config(["--max-batch-size", "8", "serve"])
+
+
+def test_cannot_listen_says_the_os_error_s_words_and_an_address_lookup_s():
+    """asyncio's sentence carried the errno's words after its own; an address lookup's
+    errno is below 0, and its own words are the lookup's ("Unknown error -2" otherwise)."""
+    from rawserve.main import reason
+
+    bind = OSError(errno.EADDRINUSE, "error while attempting to bind on address ('h', 1)")
+    assert reason(bind) == "Address already in use"
+    assert reason(socket.gaierror(-2, "Name or service not known")) == "Name or service not known"

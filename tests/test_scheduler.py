@@ -3286,3 +3286,23 @@ def test_a_batch_predicted_to_run_past_the_batch_timeout_is_not_made():
     queue_items(core, [text(400)] * 2, deadline=600.0)  # 4 s each
     batch = next_batch(core, now=0.0)
     assert batch is not None and len(batch) == 1
+
+
+def test_a_cost_model_that_knows_a_call_s_fixed_cost_only_still_keeps_to_the_batch_timeout():
+    """After a batch killed as hung, its items run one by one: calls of one item, every
+    one 0.25 s whatever its length, teach a fixed cost and nothing an item adds. Read as
+    "a batch costs what one item does", batches of 18 were made, and killed, at every
+    burst (a reviewer). Each item is taken at a call's cost there."""
+    core = SchedulerCore(max_batch_size=32, max_call_seconds=2.0)
+    for cost in (10, 40, 20, 80):
+        core.cost_model.observe(cost, 0.25, tokens=cost, items=1)
+    model = core.cost_model
+    assert model.trusted and model.per_item + model.per_token <= 0 < model.fixed
+    queue_items(core, [text(25)] * 20, deadline=600.0)
+    batch = next_batch(core, now=0.0)
+    assert batch is not None and len(batch) == 6  # 2 s / 1.25 / 0.25 s
+    free = SchedulerCore(max_batch_size=32)  # (no timeout: the configured bound only)
+    for cost in (10, 40, 20, 80):
+        free.cost_model.observe(cost, 0.25, tokens=cost, items=1)
+    queue_items(free, [text(25)] * 20, deadline=600.0)
+    assert len(next_batch(free, now=0.0) or []) == 20

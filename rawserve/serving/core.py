@@ -1122,8 +1122,10 @@ class SchedulerCore:
         held 3 where 200 fit, and its requests, admitted at full batches' speed, got 504."""
         limits = self.limits
         model = self.cost_model
-        if not model.trusted or model.per_item + model.per_token <= 0:
+        if not model.trusted:
             return limits
+        if model.per_item + model.per_token <= 0:
+            return self._fixed_only(limits, model.fixed)
         seconds = (deadline - now) / DEADLINE_MARGIN
         if self.max_call_seconds is not None:  # nor past the batch timeout: its worker
             # would be killed as hung (0.25 s an item and a 2 s timeout: every burst's
@@ -1133,6 +1135,16 @@ class SchedulerCore:
         return replace(
             limits, max_seconds=seconds, per_item=model.per_item, per_token=model.per_token
         )
+
+    def _fixed_only(self, limits: BatchLimits, fixed: float) -> BatchLimits:
+        """The bounds where the cost model knows a call's fixed cost only (it saw calls of
+        one item, say, after a batch killed as hung ran its items one by one): each item
+        taken to cost a call's, as far as the batch timeout goes (judged to cost one
+        item's, a batch of 18 was killed at every burst; a reviewer)."""
+        if self.max_call_seconds is None or fixed <= 0:
+            return limits
+        most = max(1, int(self.max_call_seconds / DEADLINE_MARGIN / fixed))
+        return replace(limits, max_size=min(limits.max_size, most))
 
     def _is_full(self, batch: list[WorkItem], candidates: int, limits: BatchLimits) -> bool:
         """No more items could join: the size bound or the token budget is reached."""

@@ -180,7 +180,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         if torch.cuda.is_available():
             return "cuda:0"
-        if gpu_present():  # planned as a GPU's (one worker, GPU batches): say why it is not
+        if gpu_present():  # (--device auto on a machine that shows one): say why not
             log.warning(
                 "no GPU for this worker: the machine shows one, and torch %s %s; serving "
                 "on the CPU (--device cpu to choose it)",
