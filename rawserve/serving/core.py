@@ -1125,7 +1125,13 @@ class SchedulerCore:
         if not model.trusted:
             return limits
         if model.per_item + model.per_token <= 0:
-            return self._fixed_only(limits, model.fixed)
+            # a call's fixed cost only is known (calls of one item, as a hung batch's items
+            # make run again): each item taken at it, as far as the batch timeout goes (read
+            # as a batch costing one item's, a batch of 18 was killed at every burst)
+            if self.max_call_seconds is None or model.fixed <= 0:
+                return limits
+            seconds = self.max_call_seconds / DEADLINE_MARGIN
+            return replace(limits, max_seconds=seconds, per_item=model.fixed)
         seconds = (deadline - now) / DEADLINE_MARGIN
         if self.max_call_seconds is not None:  # nor past the batch timeout: its worker
             # would be killed as hung (0.25 s an item and a 2 s timeout: every burst's
@@ -1135,16 +1141,6 @@ class SchedulerCore:
         return replace(
             limits, max_seconds=seconds, per_item=model.per_item, per_token=model.per_token
         )
-
-    def _fixed_only(self, limits: BatchLimits, fixed: float) -> BatchLimits:
-        """The bounds where the cost model knows a call's fixed cost only (it saw calls of
-        one item, say, after a batch killed as hung ran its items one by one): each item
-        taken to cost a call's, as far as the batch timeout goes (judged to cost one
-        item's, a batch of 18 was killed at every burst; a reviewer)."""
-        if self.max_call_seconds is None or fixed <= 0:
-            return limits
-        most = max(1, int(self.max_call_seconds / DEADLINE_MARGIN / fixed))
-        return replace(limits, max_size=min(limits.max_size, most))
 
     def _is_full(self, batch: list[WorkItem], candidates: int, limits: BatchLimits) -> bool:
         """No more items could join: the size bound or the token budget is reached."""

@@ -1049,9 +1049,9 @@ class WorkerPool(PoolReports):
         for lost in sequences:
             self._detach(lost)
         together = self._together(sequences)
+        home = home_of(worker)
         for lost in sequences:
             if lost in together:  # (a Job is equal to itself alone)
-                home = home_of(worker)
                 again = replace(
                     lost, watchdog=None, rerun=True, home=home, together=True, died_with=died_with
                 )

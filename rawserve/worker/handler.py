@@ -94,8 +94,6 @@ def plain_form(obj: Any) -> tuple[type, tuple[Any]] | None:
     it is none such. (A namedtuple, as the README says, was a 500.)"""
     if isinstance(obj, enum.Enum):
         obj = obj.value
-        if type(obj) in PLAIN_COPIES:
-            return type(obj), (obj,)
     for plain, copied in PLAIN_COPIES.items():
         if isinstance(obj, plain):
             return plain, (copied(obj),)
