@@ -25,7 +25,10 @@ second) and its ratio to the capacity; answers by status (a 504 is a request adm
 then dropped at its deadline: the rows it held were spent for nothing, unless it expired
 queued, `expired_queued`); the 503s' latency
 (a refusal should be at once) and the 200s'. A server that admits only what it can answer
-in time keeps the goodput near the capacity with few 504s. Then what the scheduler learned
+in time keeps the goodput near the capacity with few 504s. The wait the last second's
+refusals asked for (`Retry-After-Ms`), against the seconds everything took to be answered
+once the arrivals stopped (`drain_s`): said much longer, it keeps clients away from a
+server gone idle. Then what the scheduler learned
 (its /metrics): a decoding step's seconds beside one row and beside the most rows
 measured, those rows, and the new tokens nine in ten answers stayed within.
 """
@@ -189,10 +192,26 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
             "ok_p99_ms": summary["p99_ms"],
             "refused_p99_ms": summary.get("503", {}).get("p99_ms"),
             "expired_queued": queued_expired(metrics),  # of the 504s: never reached a row
+            **retry_after_against_drain(run),
             **learned(metrics),
         }
     finally:
         process.stop()
+
+
+def retry_after_against_drain(run: load.LoadResult) -> dict[str, float | None]:
+    """What the refusals of the arrivals' last second asked clients to wait (the median
+    and the most, seconds), against the seconds the server took to answer everything
+    after the arrivals stopped (a new request sent then found a row by that time at the
+    latest): a wait said much longer keeps clients away from a server gone idle."""
+    samples = run.samples
+    last = [said for at, said in samples.retry_after if run.duration - 1.0 <= at <= run.duration]
+    ends = [sent + latency for sent, latency in zip(samples.sent, samples.latency, strict=True)]
+    return {
+        "retry_after_last_s": round(statistics.median(last), 3) if last else None,
+        "retry_after_last_max_s": round(max(last), 3) if last else None,
+        "drain_s": round(max(ends) - run.duration, 3) if ends else None,
+    }
 
 
 @contextlib.contextmanager

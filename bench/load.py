@@ -59,6 +59,7 @@ class Connection(asyncio.Protocol):
         self.on_answer: Answered | None = None
         self.closed = False
         self.keep_alive = True
+        self.retry_after: float | None = None  # the last answer's wait, in seconds
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -77,6 +78,7 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.closed:
             raise ConnectionError("the connection is closed")
         self.on_answer = on_answer
+        self.retry_after = None
         self.transport.write(data)
 
     async def request(self, data: bytes) -> tuple[int, int]:
@@ -112,12 +114,24 @@ class Connection(asyncio.Protocol):
             return
         status = int(head[9:12])
         keep_alive = b"\r\nconnection: close" not in head
+        self.retry_after = said_retry_after(head) if status == 503 else None
         del self.buffer[:end]
         self._answer(status, length, keep_alive)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.close()
+
+
+def said_retry_after(head: bytes) -> float | None:
+    """The seconds a (lower-cased) answer head asks to wait: its Retry-After-Ms where it
+    says one (not rounded up to a whole second), else its Retry-After."""
+    for name, scale in ((b"\r\nretry-after-ms:", 1000), (b"\r\nretry-after:", 1)):
+        start = head.find(name)
+        if start >= 0:
+            line_end = head.find(b"\r\n", start + 2)
+            return float(head[start + len(name) : line_end if line_end >= 0 else None]) / scale
+    return None
 
 
 async def connect(port: int) -> Connection:
@@ -170,6 +184,8 @@ class Samples:
     latency: list[float] = field(default_factory=list)
     status: list[int] = field(default_factory=list)
     size: list[int] = field(default_factory=list)
+    # (answered at, since the run started; seconds asked to wait) of the refusals saying it
+    retry_after: list[tuple[float, float]] = field(default_factory=list)
 
     def add(self, sent: float, latency: float, status: int, size: int) -> None:
         self.sent.append(sent)
@@ -346,6 +362,8 @@ async def open_loop(
     def answered(connection: Connection, sent: float, status: int, size: int, keep: bool) -> None:
         nonlocal open_count, outstanding
         samples.add(sent - start, loop.time() - sent, status, size)
+        if connection.retry_after is not None:
+            samples.retry_after.append((loop.time() - start, connection.retry_after))
         if status != CONNECT_ERROR and keep and not connection.closed:
             idle.append(connection)
         else:

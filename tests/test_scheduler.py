@@ -1366,6 +1366,27 @@ def test_running_sequences_end_sooner_once_rows_leave():
     assert core.retry_after(0.5) == pytest.approx(1.58, rel=0.01)
 
 
+def test_a_refusal_behind_full_rows_says_when_a_row_likely_frees_for_it():
+    """Four rows of 128-token answers ending at 4.3, 5.3, 6.3 and 7.3 s, and four
+    sequences of 8 tokens queued: at t = 3 a fifth waits for the first row to free and
+    run one of them (1.3 s, then 12 steps). Its refusal said 5.4 s, as if the queued ones
+    started only once every running one had ended and each took a running one's 4.3 s
+    (the wait said under overload was 1.5 times the queue's drain in simulation, 3 to 6
+    times on a server). Admission still reads that bound: one due with them is refused."""
+    core = rows_of(4)
+    for at in range(4):
+        run_sequences(core, 1, at=float(at))
+    asks = {"max_new_tokens": 8}
+    for _ in range(4):  # four requests, admitted unjudged
+        core.admit([core.new_item(text(12), asks, 7.0, 3.0)])
+    likely = 1.3 + core.pace.predict(8, 4)
+    assert core.retry_after(3.0) == pytest.approx(likely, rel=0.02)
+    with pytest.raises(DeadlineUnreachable) as refused:
+        queue_items(core, [text(12)], now=3.0, deadline=7.0, params=asks)
+    assert refused.value.retry_after == pytest.approx(likely, rel=0.02)
+    queue_items(core, [text(12)], now=3.0, deadline=30.0, params=asks)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
