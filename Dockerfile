@@ -36,8 +36,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/app/.venv/bin:$PATH \
     HF_HOME=/cache/huggingface \
     RAWSERVE_CACHE_DIR=/cache/rawserve \
-    RAWSERVE_HOST=0.0.0.0 \
-    RAWSERVE_PORT=8000
+    RAWSERVE_HOST=0.0.0.0
 
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -60,6 +59,8 @@ RUN /app/.venv/bin/python -m compileall -q rawserve
 
 USER 10001
 VOLUME ["/cache"]
+# --port's default; `serve` (SageMaker's command) listens on 8080 instead (no
+# RAWSERVE_PORT is set here: it would win over SageMaker's port)
 EXPOSE 8000
 # /health is liveness: 200 while the server can serve or recover (also while the model
 # loads); a first start may download the model before it listens, hence the long start.

@@ -18,7 +18,8 @@ import dockerfile
 import pytest
 import yaml
 
-from rawserve.options import OPTIONS
+from rawserve.ops.health_probe import DEFAULT_PORT
+from rawserve.options import OPTIONS, parse_config
 from tests.server import REPO_ROOT, RunningServer
 
 try:
@@ -151,14 +152,35 @@ def test_the_entry_point_is_python_m_rawserve_from_the_installed_environment():
 def test_the_port_is_exposed_and_served_on_all_interfaces():
     env = environment()
     [expose] = instructions("EXPOSE")
-    assert expose.value == (env["RAWSERVE_PORT"],)
+    assert expose.value == (str(DEFAULT_PORT),)  # --port's default: the image sets none
     assert env["RAWSERVE_HOST"] == "0.0.0.0"
     known = {option.env for option in OPTIONS} | {"RAWSERVE_CACHE_DIR"}  # the trials' cache
     assert {name for name in env if name.startswith("RAWSERVE_")} <= known
-    # the Kubernetes manifest serves the image on the same port
+    # the Kubernetes manifest serves the image on the port it exposes
     deployment = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
     [container] = deployment["spec"]["template"]["spec"]["containers"]
-    assert [p["containerPort"] for p in container["ports"]] == [int(env["RAWSERVE_PORT"])]
+    [port] = [
+        variable["value"] for variable in container["env"] if variable["name"] == "RAWSERVE_PORT"
+    ]
+    assert [p["containerPort"] for p in container["ports"]] == [DEFAULT_PORT] == [int(port)]
+
+
+def test_the_image_run_as_sagemaker_s_serve_listens_on_sagemaker_s_port(monkeypatch):
+    """`docker run IMAGE serve` serves on 8080 (or SAGEMAKER_BIND_TO_PORT's), where
+    SageMaker calls it, and the health check asks there: the image's own RAWSERVE_PORT
+    won over SageMaker's port, and it served on 8000, reported healthy."""
+    from rawserve.ops.health_probe import health_url
+
+    monkeypatch.delenv("RAWSERVE_PORT", raising=False)
+    monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT", raising=False)
+    for name, value in environment().items():
+        monkeypatch.setenv(name, value)
+    assert parse_config(["serve"]).port == 8080
+    assert health_url(["serve"]) == "http://127.0.0.1:8080/health"
+    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "8081")
+    assert parse_config(["serve"]).port == 8081
+    assert health_url(["serve"]) == "http://127.0.0.1:8081/health"
+    assert parse_config([]).port == DEFAULT_PORT  # not as SageMaker's: --port's default
 
 
 def test_the_model_cache_is_a_volume_owned_by_the_user():
