@@ -86,6 +86,25 @@ def test_a_value_rawserve_cannot_honour_is_refused_naming_it(name, value):
         check_params(TASK, {name: value})
 
 
+@pytest.mark.parametrize("value", [1, 1000, 5000, 2**31 - 1])
+def test_top_k_is_any_positive_k_as_tgi_takes_it(value):
+    # (refused past 1,000, the classifiers' bound, where TGI and the OpenAI routes took it)
+    assert TASK is not None
+    assert check_params(TASK, {"top_k": value}) == {"top_k": value}
+    for wrong in (0, -1, 2**31, 1.5):
+        with pytest.raises(ValueError, match="top_k"):
+            check_params(TASK, {"top_k": wrong})
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["a"] * 17, ["x" * 201]])
+def test_a_stop_refused_says_a_string_or_a_list_is_taken(stop):
+    # (a plain string is taken: the refusal said a list only)
+    assert TASK is not None
+    assert check_params(TASK, {"stop": "is"}) == {"stop": ["is"]}
+    with pytest.raises(ValueError, match="must be a non-empty string, or a list of at most 16"):
+        check_params(TASK, {"stop": stop})
+
+
 @pytest.mark.parametrize("value", [0.95, 0.01, 1.0])
 def test_typical_p_is_served_from_above_0_to_1_which_is_off(value):
     # LangChain's HuggingFaceEndpoint sends typical_p 0.95 unless told otherwise
@@ -287,6 +306,8 @@ async def test_info_holds_what_tgis_info_requires_for_a_model_that_generates():
     assert info["model_pipeline_tag"] == "text-generation"
     assert info["max_input_tokens"] == 63 and info["max_total_tokens"] == 64
     assert info["max_input_length"] == 63  # TGI 1.x's name of max_input_tokens
+    # with no token budget, a batch holds its items' prompts and new tokens (the README)
+    assert info["max_batch_tokens"] == info["max_batch_requests"] * info["max_total_tokens"]
     assert info["max_best_of"] == 1 and info["max_stop_sequences"] == MAX_STOP_SEQUENCES
     assert isinstance(info["validation_workers"], int) and isinstance(info["router"], str)
     # and not where the model /info describes does not generate

@@ -1795,12 +1795,13 @@ def replace_typical(settings: SimpleNamespace, mass: float | None) -> SimpleName
 
 @pytest.mark.parametrize(
     "setting",
-    [{"temperature": 1.5}, {"top_k": 5}, {"top_p": 0.5}, {"typical_p": 0.5}],
+    [{"temperature": 1.5}, {"top_k": 5}, {"top_p": 0.5}, {"typical_p": 0.5}, {"min_p": 0.05}],
     ids=lambda s: next(iter(s)),
 )
 def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runner, setting):
     # TGI's client sends do_sample false beside the temperature, top_k, top_p or
-    # typical_p it is given, and TGI samples with them
+    # typical_p it is given, and TGI samples with them (and so with an OpenAI route's
+    # min_p, on a model whose generation config decodes greedily)
     asked = {"max_new_tokens": 12, "seed": 4, "do_sample": False, **setting}
     sampled = {**asked, "do_sample": True}
     for params in (asked, sampled):

@@ -65,6 +65,7 @@ from rawserve.api.prompts import (
     check_generated_size,
     check_lengths,
     echoed_texts,
+    longest_prompt,
 )
 from rawserve.api.reasoning import answers_opening
 from rawserve.api.routing import (
@@ -92,6 +93,7 @@ from rawserve.tasks.text_generation import (
     GRAMMAR_REFUSED,
     MIN_TOKENS_PAST_ROOM,
     THINKING_IN_CONTENT,
+    min_tokens_past_room,
     stops_after,
 )
 
@@ -237,11 +239,9 @@ async def check_prompt_room(
     except UnprocessableInput:
         # a prompt past the positions says so first; else only min_tokens is at fault
         await check_lengths(tokenizers, model, generation.items, chat)
-        raise BadRequest(
-            f"{MIN_TOKENS_PAST_ROOM}it is {least}, and a prompt leaves fewer of the model's "
-            f"context length of {model.positions}",
-            param="min_tokens",
-        ) from None
+        longest = None if chat else await longest_prompt(tokenizers, model, generation.items)
+        message = min_tokens_past_room(least, longest, model.positions)
+        raise BadRequest(message, param="min_tokens") from None
 
 
 def name_field(

@@ -82,6 +82,22 @@ async def check_lengths(
         raise too_long(most, scored) from None
 
 
+async def longest_prompt(
+    tokenizers: ServerTokenizers, model: ServedModel, prompts: Sequence[Any]
+) -> int | None:
+    """The tokens of the longest of `prompts` (texts, or token ids counted as they are)
+    as the model takes them, none past its positions; None where a text's tokenizer is
+    not known here."""
+    texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+    counts = [len(prompt) for prompt in prompts if isinstance(prompt, list)]
+    if texts:
+        tokenizer = await tokenizers.get(model)
+        if tokenizer is None:
+            return None
+        counts += await by_length(texts, tokenizer.count, texts, model.positions)
+    return max(counts, default=None)
+
+
 async def check_chat_lengths(
     tokenizers: ServerTokenizers, model: ServedModel, chats: Sequence[Any], most: int, scored: bool
 ) -> None:

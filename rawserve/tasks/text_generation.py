@@ -155,7 +155,8 @@ def stop_sequences(value: Any) -> list[str]:
         or not all(isinstance(v, str) and 0 < len(v) <= 200 for v in value)
     ):
         raise ValueError(
-            f"must be a list of at most {MAX_STOP_SEQUENCES} non-empty strings of 200 characters"
+            f"must be a non-empty string, or a list of at most {MAX_STOP_SEQUENCES} of them, "
+            "of at most 200 characters each"
         )
     return value
 
@@ -179,6 +180,23 @@ FORMAT_RESOURCE = "urn:rawserve:response-format"
 # how the worker's refusal of a min_new_tokens (OpenAI's min_tokens) that the prompt
 # leaves no room for begins: the API answers it 400, naming that field
 MIN_TOKENS_PAST_ROOM = "min_tokens asks for more new tokens than the prompt leaves room for: "
+
+
+def min_tokens_past_room(least: int, prompt: int | None, positions: int) -> str:
+    """The refusal of a min_tokens of `least` after a prompt of `prompt` tokens (None:
+    not counted) in a model's `positions`: the room it leaves, where counted."""
+    if prompt is None:
+        return (
+            f"{MIN_TOKENS_PAST_ROOM}it is {least}, and a prompt leaves fewer of the model's "
+            f"context length of {positions}"
+        )
+    return (
+        f"{MIN_TOKENS_PAST_ROOM}it is {least}, and the prompt is {prompt} tokens of the "
+        f"model's context length of {positions}, which leaves room for {positions - prompt} "
+        "new tokens"
+    )
+
+
 # how the worker's refusal of a chat for its template begins, and the request's field
 # the API names for it (a chat's messages are the Responses API's "input")
 CHAT_TEMPLATE_REFUSED = "the chat template refused the messages: "
@@ -283,7 +301,9 @@ TASK = Task(
         "do_sample": boolean,
         "temperature": float_range(0.0, 100.0, above_low=True),  # 0: TGI refuses it (422)
         "top_p": float_range(0.0, 1.0, above_low=True),  # 0 keeps no token: TGI refuses it
-        "top_k": int_range(1, 1000),
+        # TGI's any positive k (vLLM's bound): the worker keeps the whole vocabulary past it
+        # (the classifiers' 1 to 1,000 refused a TGI request the OpenAI routes took)
+        "top_k": int_range(1, 2**31 - 1),
         "return_full_text": boolean,
         "seed": int_range(0, 2**64 - 1),  # TGI's (a u64); torch's generators take it
         "stop": stop_sequences,

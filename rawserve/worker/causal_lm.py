@@ -27,7 +27,6 @@ from rawserve.tasks import CHAT_PARAM, check_new_tokens
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
     CLOSED_IN_PROMPT,
-    MIN_TOKENS_PAST_ROOM,
     OPENED_IN_ANSWER,
     OPENED_IN_PROMPT,
     PROMPT_TOP_N,
@@ -37,6 +36,7 @@ from rawserve.tasks.text_generation import (
     TOKEN_COUNTS_ONLY,
     continues_message,
     first_stop_end,
+    min_tokens_past_room,
     returns_full_text,
     stops_after,
 )
@@ -180,14 +180,17 @@ def scores_prompt(params: dict[str, Any]) -> bool:
 
 
 def asks_sampling(params: dict[str, Any]) -> bool:
-    """Whether a temperature (but 1), a top_k (but vLLM's 0, every token), or a top_p or
-    typical_p (below 1) is asked: TGI samples with them even beside do_sample false. A
-    setting at its off value changes nothing (a model that decodes greedily stays so)."""
+    """Whether a temperature (but 1), a top_k (but vLLM's 0, every token), a min_p (but
+    0), or a top_p or typical_p (below 1) is asked: TGI samples with them even beside
+    do_sample false. A setting at its off value changes nothing (a model that decodes
+    greedily stays so). (A min_p alone, on a model whose config decodes greedily, was
+    dropped without a word, where a top_p sampled.)"""
     temperature = params.get("temperature")
     below_one = [params.get(name) for name in ("top_p", "typical_p")]
     return (
         temperature not in (None, 1.0)
         or bool(params.get("top_k"))
+        or bool(params.get("min_p"))
         or any(value is not None and value < 1.0 for value in below_one)
     )
 
@@ -548,11 +551,7 @@ class CausalLMRunner(Runner):
         least = int(params.get("min_new_tokens") or 0)  # as asked (not the model's own)
         room = self.max_positions - longest_prompt
         if least > room:
-            raise ValueError(
-                f"{MIN_TOKENS_PAST_ROOM}it is {least}, and the prompt is {longest_prompt} "
-                f"tokens of the model's context length of {self.max_positions}, which "
-                f"leaves room for {room} new tokens"
-            )
+            raise ValueError(min_tokens_past_room(least, longest_prompt, self.max_positions))
 
     # --- one item at a time, for the continuous loop (rawserve.worker.generating) -----------
 
