@@ -956,6 +956,48 @@ def test_question_answering_with_a_tokenizer_that_pads_on_the_left(tiny_model, t
 # --- summarization, translation, text2text-generation -----------------------------------
 
 
+@pytest.fixture(scope="module")
+def t5_summarizer(tmp_path_factory):
+    """A tiny T5 whose tokenizer (BERT's) skips control and format characters."""
+    from rawserve.worker.loading import load_runner
+    from tests import fidelity_models
+
+    folder = fidelity_models.build("t5", tmp_path_factory.mktemp("t5"))
+    return load_runner(worker_config(str(folder), "summarization", dtype="float32"), "cpu")
+
+
+@pytest.mark.parametrize("text", ["\x00", "\u200b\ufeff"])
+def test_a_text_the_seq2seq_tokenizer_reads_as_nothing_is_refused(t5_summarizer, runner, text):
+    """A T5's tokenizer here skips control and format characters: the model saw its task's
+    prefix alone and made up an answer (200), where a blank text is refused. A text with
+    something visible beside them is answered; a byte-level BART reads them as tokens."""
+    with pytest.raises(ValueError, match="reads as no tokens"):
+        t5_summarizer.run(["fine", text], {"max_new_tokens": 3})
+    [answer] = t5_summarizer.run([text + "fine"], {"max_new_tokens": 3})
+    assert set(answer) == {"summary_text"}
+    [answer] = runner("seq2seq", "summarization").run([text], {"max_new_tokens": 3})
+    assert set(answer) == {"summary_text"}
+
+
+def test_a_most_asked_below_the_task_s_least_is_answered_without_a_warning(t5_summarizer, caplog):
+    """T5's summarization settings say min_length 10 and max_length 40: a request asking
+    at most 3 new tokens got them (the most asked wins), and generate() warned, at every
+    such request, that the lengths could not both be met (a UserWarning) and that both
+    max_new_tokens and max_length were set (the worker's log)."""
+    import transformers
+
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            [answer] = t5_summarizer.run(["a fine day"], {"max_new_tokens": 3})
+            t5_summarizer.run(["a fine day"], {"max_new_tokens": 30})
+    finally:
+        transformers.logging.disable_propagation()
+    ids = t5_summarizer.tokenizer(answer["summary_text"], add_special_tokens=False)["input_ids"]
+    assert len(ids) <= 3
+    assert "seem to have been set" not in caplog.text and "length" not in caplog.text
+
+
 def test_seq2seq_batches_answer_what_single_calls_answer(runner):
     summarize = runner("seq2seq", "summarization")
     texts = ["the movie was very good and i like it", "hello"]

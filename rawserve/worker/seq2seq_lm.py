@@ -32,6 +32,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
+from rawserve.tasks.checks import shows
 from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.long_texts import encode_cut, narrowed_texts
 from rawserve.worker.model_classes import load_model
@@ -231,10 +232,16 @@ class Seq2SeqLMRunner(Runner):
         caller.update(params.get("generate_parameters", {}))
         options = {**self.defaults, **task_options, **with_length(caller)}
         configured = self.model.generation_config
-        own = {"max_new_tokens": configured.max_new_tokens, "max_length": configured.max_length}
+        own = {
+            "max_new_tokens": configured.max_new_tokens,
+            "max_length": configured.max_length,
+            "min_new_tokens": configured.min_new_tokens,
+            "min_length": configured.min_length,
+        }
         options = settled(options, caller, own)
         self.check_length(caller)
         reading = self.cut(params)
+        self.refuse_unread(inputs)
         texts = [prefix + text for text in inputs]
 
         def encode(items: list[str]) -> Any:
@@ -270,6 +277,18 @@ class Seq2SeqLMRunner(Runner):
             records = [{key: text} for text in texts[index * per_input : (index + 1) * per_input]]
             outputs.append(records[0] if per_input == 1 else records)
         return outputs
+
+    def refuse_unread(self, inputs: list[str]) -> None:
+        """ValueError (a 422) for an input the tokenizer reads as no token at all, as a
+        blank one is refused: a T5's, or a BERT tokenizer's, skips control and format
+        characters (a byte-level BART reads them), and the model, seeing its task's prefix
+        alone, made up an answer. Only such texts are read again (`shows`)."""
+        unseen = [text for text in inputs if not shows(text)]
+        if unseen and not all(self.tokenizer(unseen, add_special_tokens=False)["input_ids"]):
+            raise ValueError(
+                "the text reads as no tokens: only control or format characters, which this "
+                "model's tokenizer skips"
+            )
 
     def check_length(self, caller: dict[str, Any]) -> None:
         """A length past the decoder's positions would fail inside the model: say so
@@ -325,7 +344,7 @@ def settled(
         )
     least = new_tokens(caller, "min_new_tokens", "min_length")
     if least is None:
-        return options
+        return the_most_asked_wins(options, caller, own)
     most = new_tokens(caller, "max_new_tokens", "max_length")
     if most is None:  # none asked: the model's own most, raised to the least asked
         made = new_tokens(options, "max_new_tokens", "max_length")
@@ -335,6 +354,29 @@ def settled(
             options["max_new_tokens"] = least[1]
     elif least[1] > most[1]:  # (generate() would stop at the most, the least unmet)
         raise ValueError(f"{least[0]} asks for more new tokens than {most[0]} allows")
+    return the_most_asked_wins(options, caller, own)
+
+
+def the_most_asked_wins(
+    options: dict[str, Any], caller: dict[str, Any], own: dict[str, Any] | None
+) -> dict[str, Any]:
+    """`options` (changed in place): where the caller asks a most, a least the task's
+    settings or the model's `own` generation config set past it (none asked) lowered to
+    it, as generate() stops at the most anyway (it warned at every such request that the
+    two could not both be met); and a max_length that max_new_tokens overrides left out
+    (generate() warned at every request that both were set)."""
+    most = new_tokens(caller, "max_new_tokens", "max_length")
+    if most is not None:
+        least = new_tokens(options, "min_new_tokens", "min_length")
+        if least is None:
+            least = new_tokens(own or {}, "min_new_tokens", "min_length")
+        if least is not None and least[1] > most[1]:  # (lowered where it was set)
+            if least[0].startswith("min_new_tokens"):
+                options["min_new_tokens"] = most[1]
+            else:  # (min_length counts the decoder's start token)
+                options["min_length"] = most[1] + 1
+    if options.get("max_new_tokens") is not None:
+        options.pop("max_length", None)
     return options
 
 
