@@ -160,6 +160,7 @@ class HttpProcesses:
             )
 
         fleet = Fleet(config.http_processes, run_http_process, spec, bridge)
+        metrics.count_http_processes(fleet.listening)
         bridge.start()
         try:
             await fleet.start()

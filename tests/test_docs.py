@@ -109,9 +109,11 @@ def test_the_readme_s_defaults_are_the_parser_s():
 
 
 def exported_metrics() -> set[str]:
-    """The series names `/metrics` shows for a model with a worker, as the docs write them
-    (a counter with `_total`; a histogram by its own name)."""
+    """The series names `/metrics` shows for a model with a worker, beside HTTP processes
+    of their own, as the docs write them (a counter with `_total`; a histogram by its own
+    name)."""
     metrics = Metrics()
+    metrics.count_http_processes(lambda: 2)
     worker = WorkerStatus(0, "cpu", "float32", WorkerState.IDLE, 1, 0, None)
     core = SchedulerCore()
     core.items_per_second = 1.0

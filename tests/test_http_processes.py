@@ -226,8 +226,9 @@ def test_one_metrics_scrape_counts_every_process(server):
         connection.close()
     after = metric(server, openapi)
     assert after - before == 6
-    # the serving process's series are in the same scrape
+    # the serving process's series are in the same scrape, its HTTP processes counted
     assert metric(server, 'rawserve_queue_limit{model="tests.handlers:sleepy"}') == 2
+    assert metric(server, "rawserve_http_processes_listening") == 2
 
 
 def test_a_deadline_is_answered_504_on_time_and_the_expired_item_never_computed(server):
@@ -326,6 +327,7 @@ def test_an_http_process_that_dies_is_replaced_and_its_items_withdrawn(server):
     withdrawn = r"HTTP process \d is gone: \d request\(s\) under way withdrawn \(request "
     server.wait_for_log(re.compile(withdrawn + r"[^)]*\borphan\b[^)]*\)$"), 10)
     wait_until(lambda: replaced(server, victim), what="a new HTTP process listed")
+    wait_until(lambda: metric(server, "rawserve_http_processes_listening") == 2)
     assert connections[survivor].request("GET", "/health")[0] == 200
     worker.wait(30)
     assert server.post_json({"inputs": "orphan-after"})[0] == 200

@@ -229,6 +229,17 @@ def test_streams_that_end_with_an_error_event_are_counted_by_model_and_status():
     assert b'rawserve_stream_errors_total{model="gen",status="504"} 2.0' in body
 
 
+def test_the_http_processes_listening_are_read_at_each_scrape():
+    """With --http-processes N > 1 one that could not start again (its TLS files
+    unreadable) left the server on fewer, seen in the log and /info alone."""
+    metrics, listening = Metrics(), [2]
+    metrics.count_http_processes(lambda: listening[0])
+    assert b"rawserve_http_processes_listening 2.0" in metrics.render()[0]
+    listening[0] = 1
+    assert b"rawserve_http_processes_listening 1.0" in metrics.render()[0]
+    assert b"rawserve_http_processes_listening" not in Metrics().render()[0]  # one process
+
+
 def test_each_server_has_its_own_registry():
     first, second = Metrics(), Metrics()
     first.for_model("m").drop("expired", 3)

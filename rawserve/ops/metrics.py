@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -144,6 +144,17 @@ class Metrics:
         # (route, method, status) -> the counter and histogram children it feeds: looking
         # them up by labels on every response costs more than the rest of the bookkeeping
         self._request_series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+
+    def count_http_processes(self, listening: Callable[[], int]) -> None:
+        """With --http-processes N > 1 (the serving process's): a gauge of those listening
+        now, read at each scrape. (One that could not start again, its TLS files
+        unreadable, left the server serving on fewer, seen in the log and /info alone.)"""
+        gauge = Gauge(
+            "rawserve_http_processes_listening",
+            "HTTP processes listening now (of --http-processes; one being replaced is not)",
+            registry=self.registry,
+        )
+        gauge.set_function(lambda: float(listening()))
 
     # --- hooks ------------------------------------------------------------------------
 

@@ -206,6 +206,11 @@ class Fleet:
                 # (said once it is back: after failed starts, nothing said it had come)
                 log.info("HTTP process %d (pid %s) listening again", index, process.pid)
 
+    def listening(self) -> int:
+        """The HTTP processes listening now (one being replaced, or that cannot start
+        again, is not)."""
+        return len(self._listened)
+
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes.values() if process.pid]
 
