@@ -1140,11 +1140,11 @@ class WorkerPool(PoolReports):
             assert job.poison_key is not None  # (it ran alone again)
             times = self.poison.times(job.poison_key)
             log.warning(
-                "worker %s: an input running alone crashed the worker%s (%d times now); "
+                "worker %s: an input running alone crashed the worker%s (%s now); "
                 "running it alone once more (quarantined at %d)",
                 worker.label,
                 job_requests(job),
-                times,
+                times_said(times),
                 times + self.poison.left(job.poison_key),
                 extra=request_named(job),
             )
@@ -1164,11 +1164,11 @@ class WorkerPool(PoolReports):
         times = self.poison.times(key)
         if self.poison.left(key) < self.poison.strikes:
             log.warning(
-                "worker %s: an input running alone crashed the worker%s (%d times now; "
+                "worker %s: an input running alone crashed the worker%s (%s now; "
                 "quarantined at %d)",
                 worker.label,
                 job_requests(job),
-                times,
+                times_said(times),
                 times + self.poison.left(key),
                 extra=request_named(job),
             )
@@ -1332,6 +1332,11 @@ def exit_words(exitcode: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
+
+
+def times_said(times: int) -> str:
+    """`times` in words: "1 time", "2 times"."""
+    return f"{times} time" if times == 1 else f"{times} times"
 
 
 def job_requests(job: Job | None) -> str:
