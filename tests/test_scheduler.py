@@ -22,6 +22,7 @@ from rawserve.serving.batching import (
 )
 from rawserve.serving.core import (
     ADMIT_MARGIN,
+    DEADLINE_MARGIN,
     MOST_COUNTED,
     DeadlineUnreachable,
     NeverAdmissible,
@@ -1385,6 +1386,77 @@ def test_a_refusal_behind_full_rows_says_when_a_row_likely_frees_for_it():
         queue_items(core, [text(12)], now=3.0, deadline=7.0, params=asks)
     assert refused.value.retry_after == pytest.approx(likely, rel=0.02)
     queue_items(core, [text(12)], now=3.0, deadline=30.0, params=asks)
+
+
+def test_a_batch_of_requests_at_risk_comes_back_before_every_member_s_deadline():
+    """Six list items at risk go first; a single due sooner is among the candidates their
+    batch may draw partners from. The batch was bounded by the at-risk items' deadline
+    alone: the single joined a call predicted to end after its own (0.72 s, 0.91 s with
+    the margin, against 0.5 s; alone it takes 0.11 s). No batch comes back after a
+    member's deadline, as the normal path bounds it."""
+    core = SchedulerCore(max_batch_size=16)
+    for items, seconds in ((1, 0.11), (4, 0.41), (2, 0.21), (8, 0.81), (3, 0.31)):
+        core.cost_model.observe(100 * items, seconds, 100 * items, items)
+    listed = [core.new_item(text(100), {}, 2.0, 0.0) for _ in range(6)]
+    core.admit(listed, 0.0)
+    single = core.new_item(text(100), {}, 0.5, 0.0)
+    core.admit([single], 0.0)
+    core._at_risk.extend(listed)  # as `_judge_risk` finds them
+    [batch] = core.decide(0.0, free_workers=1).batches
+    predicted = core.cost_model.predict(max(i.cost for i in batch) * len(batch), len(batch))
+    assert DEADLINE_MARGIN * predicted <= min(item.deadline for item in batch)
+    assert set(map(id, listed)) & set(map(id, batch))  # those at risk go first
+
+
+def test_an_item_queued_again_expires_once():
+    """A batch the pool could not take goes back to the queue: its items kept an entry of
+    their first stay in the deadline heap beside the new one, and expired, each was
+    answered 504 and counted twice."""
+    core = SchedulerCore(max_batch_size=2)
+    first, second = (core.new_item("hello world", {}, 9.0, 0.0) for _ in range(2))
+    third = core.new_item("hello world", {}, 5.0, 0.0)
+    core.admit([first, second, third], 0.0)
+    [batch] = core.decide(0.0, free_workers=1).batches
+    assert batch == [first, second]
+    core.requeue(batch, 0.1)
+    expired = core.drop_expired(10.0)
+    assert sorted(item.seq for item in expired) == sorted([first.seq, second.seq, third.seq])
+    assert len(core) == 0
+
+
+def test_a_burst_read_before_the_first_send_waits_for_the_rows_its_first_part_takes():
+    """Eight free rows, nothing running, 16 sequences of 4.3 s due in 7 s read in one pass
+    (before the scheduler's first send): the first 8 take the rows, and the rest would
+    wait 4.3 s for one. They were admitted as if nothing were ahead (the rows' wait read
+    the running ones alone), and 7 expired queued, where the same 8 a pass later were
+    refused; the refusal said the 1 s floor, not when a row likely frees."""
+    core = rows_of(8)
+    asks = {"max_new_tokens": 128}
+    for _ in range(8):
+        queue_items(core, [text(12)], now=0.0, deadline=7.0, params=asks)
+    for _ in range(8):
+        with pytest.raises(DeadlineUnreachable) as refused:
+            queue_items(core, [text(12)], now=0.0, deadline=7.0, params=asks)
+        assert refused.value.retry_after == pytest.approx(core.pace.predict(128, 8), rel=0.02)
+    assert len(core) == 8
+    queue_items(core, [text(12)], now=0.0, deadline=30.0, params=asks)  # in time: taken
+
+
+def test_a_queue_of_sequences_that_make_every_token_asked_is_timed_by_those():
+    """Answers learned to end after 2 tokens, a queue of `ignore_eos` sequences asking 128
+    behind four full rows: each takes its 128 steps, and a refusal says so. Timed by the
+    answers' likely length, it told clients to come back in a second (the floor) for a
+    wait of several."""
+    core = rows_of(4)
+    for at in range(4):
+        run_sequences(core, 1, at=float(at))
+    for _ in range(KEPT):  # (learned once they ran)
+        core.answer_lengths.ended(128, 2)
+    asks = {"max_new_tokens": 128, "ignore_eos": True}
+    for _ in range(4):  # four requests, admitted unjudged
+        core.admit([core.new_item(text(12), asks, 30.0, 3.0)])
+    likely = 1.3 + core.pace.predict(128, 4)
+    assert core.retry_after(3.0) == pytest.approx(likely, rel=0.02)
 
 
 @settings(max_examples=60, deadline=None)

@@ -333,6 +333,7 @@ class SchedulerCore:
     _size: int = 0
     _queued_cost: int = 0  # the queued items' costs, summed as they come and go
     _queued_new_tokens: int = 0  # the new tokens they ask, summed so
+    _queued_fewest: int = 0  # and those they make whatever the model writes
     # at least the latest turn and deadline queued (exact since the queue was last empty)
     _queued_bounds: tuple[int, float] = NO_BOUNDS
     _seq: itertools.count = field(default_factory=itertools.count)
@@ -523,6 +524,7 @@ class SchedulerCore:
             self._minima[item.key].add(item)
             self._queued_cost += item.cost
             self._queued_new_tokens += item.new_tokens
+            self._queued_fewest += item.fewest_new_tokens
         self._size += len(items)
         self._listed += sum(item.listed for item in items)
         last_turn, latest = _bounds(items)
@@ -758,7 +760,10 @@ class SchedulerCore:
         only once every running one has ended, each at the running ones' average time
         (the long ones: short ones leave first). (Read as the likely wait, in a simulated
         overload whose rows slowed by a quarter once their pace was learned, 5-10
-        admitted requests expired queued against none.)"""
+        admitted requests expired queued against none.) With none running yet, the queued
+        ones on the free rows end first, at a queued sequence's time (a burst of 16 on 8
+        free rows, read in one pass before the first send, was admitted whole, as if
+        nothing were ahead: 7 expired queued, where 8 more a pass later were refused)."""
         running = len(self._in_flight)
         needed = queued_ahead + rows - max(self.workers - running, 0)  # rows to free first
         if needed <= 0:
@@ -766,9 +771,12 @@ class SchedulerCore:
         ends = self._expected_ends(now)
         if needed <= len(ends):
             return max(0.0, ends[needed - 1] - now)
-        pace = self._in_flight_predicted / max(running, 1)
+        if not ends:  # (a burst read before the first send: the first rows run queued ones)
+            pace = self._queued_sequence_seconds()
+            return pace + (needed - 1) * pace / max(self.workers, 1)
+        pace = self._in_flight_predicted / running
         later = needed - len(ends)
-        return (max(0.0, ends[-1] - now) if ends else 0.0) + later * pace / max(self.workers, 1)
+        return max(0.0, ends[-1] - now) + later * pace / max(self.workers, 1)
 
     def _likely_row_wait(self, queued_ahead: int, now: float) -> float:
         """Seconds until a row of a continuous worker is likely free for a sequence with
@@ -783,7 +791,7 @@ class SchedulerCore:
         if queued_ahead < free:
             return 0.0
         ends = self._expected_ends(now)
-        if not ends:  # (no worker's rows: none to wait for)
+        if not ends and not free:  # (no worker's rows: none to wait for)
             return 0.0
         laps, row = divmod(queued_ahead, free + len(ends))
         first = now if row < free else ends[row - free]
@@ -791,13 +799,17 @@ class SchedulerCore:
 
     def _queued_sequence_seconds(self) -> float:
         """The likely seconds of a queued sequence on a row, the rows full: of the new
-        tokens the queued ones ask on average, as many as answers likely make (in O(1):
-        read at every refusal under overload)."""
+        tokens the queued ones ask on average, as many as answers likely make, and no
+        fewer than they make whatever the model writes (`ignore_eos`, `min_tokens`: a
+        queue of those, where answers were learned to end early, was timed as answers of
+        a few tokens, and told clients to come back in a second for a 6-12 s wait). In
+        O(1): read at every refusal under overload."""
         if not self._size:
             return 0.0
         asked = round(self._queued_new_tokens / self._size)
-        made = self.answer_lengths.likely(asked)
-        return self.pace.predict(asked if made is None else made, self.workers) or 0.0
+        likely = self.answer_lengths.likely(asked)
+        made = max(asked if likely is None else likely, round(self._queued_fewest / self._size))
+        return self.pace.predict(made, self.workers) or 0.0
 
     def _expected_ends(self, now: float) -> list[float]:
         """When the running sequences likely end, in order: as predicted, but for those
@@ -960,6 +972,7 @@ class SchedulerCore:
         self._size -= len(items)
         self._queued_cost -= sum(item.cost for item in items)
         self._queued_new_tokens -= sum(item.new_tokens for item in items)
+        self._queued_fewest -= sum(item.fewest_new_tokens for item in items)
         self._listed -= sum(item.listed for item in items)
         if not self._size:
             self._queued_bounds = NO_BOUNDS
@@ -969,8 +982,11 @@ class SchedulerCore:
             del self._queues[key], self._minima[key]
 
     def drop_expired(self, now: float) -> list[WorkItem]:
-        """Remove and return the queued items whose deadline has passed."""
-        expired = [item for minima in self._minima.values() for item in minima.expired(now)]
+        """Remove and return the queued items whose deadline has passed, each once (an
+        item queued again, a batch the pool could not take, has an entry of its first
+        stay beside its new one: it was answered and counted twice)."""
+        found = [item for minima in self._minima.values() for item in minima.expired(now)]
+        expired = list({id(item): item for item in found}.values())
         for item in expired:
             self.remove(item)
         return expired
@@ -1041,7 +1057,8 @@ class SchedulerCore:
         if first := self._first_at_risk(queue[0].key, now):  # they go now, whatever the wait
             hurried = set(map(id, first))
             viable = first + [item for item in viable if id(item) not in hurried]
-            limits = self._limits_for(first[0].deadline, now)
+            # (bounded by any member's deadline: partners of another length join them)
+            limits = self._limits_for(min(item.deadline for item in viable), now)
 
             def urgent(item: WorkItem) -> bool:
                 return id(item) in hurried or self._is_urgent(item, now)
