@@ -59,6 +59,7 @@ from rawserve.http.cycle import (
     header_list,
     is_probe,
     keeps_alive,
+    routed_path,
 )
 from rawserve.http.errors import (
     ErrorRenderer,
@@ -1031,8 +1032,9 @@ class HttpProtocol(asyncio.Protocol):
         seconds = time.perf_counter() - cycle.started
         method = request.method.decode("ascii", "replace") if request else "-"
         target = request.target.decode("ascii", "replace") if request else "-"
-        # by the path the routes see (an absolute-form or %-encoded target as routed)
-        path = cycle.head.path if cycle.head is not None else target.partition("?")[0]
+        # by the path the routes see (an absolute-form or %-encoded target as routed, one
+        # refused from its head too: counted under "other", not its route)
+        path = cycle.head.path if cycle.head is not None else routed_path(target.partition("?")[0])
         if self.state.metrics is not None:
             self.state.metrics.observe_request(path, method, status, seconds)
         peer = functools.partial(_peer, self.peername)

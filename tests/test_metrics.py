@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Callable
 
@@ -94,6 +95,11 @@ def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
     # counted as "rejected": no load was shed (an alert on shedding fired for a client's bug)
     status, _ = server.post_json({"inputs": ["a"] * (MAX_QUEUE + 1)})
     assert status == 413
+    # refused from its head, in the absolute form a proxy sends: counted under its route
+    # (it was "other", where the same request with a small body counts under "/")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:
+        raw.sendall(b"POST http://x/ HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000000\r\n\r\n")
+        assert raw.recv(65536).startswith(b"HTTP/1.1 413")
 
     async def drops() -> None:
         client = Client(server.port)
@@ -118,11 +124,11 @@ def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
 
     assert grew("rawserve_requests_total", route="/", method="POST", status="200") == 25
     assert grew("rawserve_requests_total", route="other", method="GET", status="404") == 1
-    assert grew("rawserve_requests_total", route="/", method="POST", status="413") == 1
+    assert grew("rawserve_requests_total", route="/", method="POST", status="413") == 2
     assert grew("rawserve_requests_total", route="/", method="POST", status="504") == 1
     # the client that left before its answer: nginx's 499
     assert grew("rawserve_requests_total", route="/", method="POST", status="499") == 1
-    assert grew("rawserve_request_duration_seconds_count", route="/") == 28
+    assert grew("rawserve_request_duration_seconds_count", route="/") == 29
     assert grew("rawserve_items_dropped_total", reason="rejected") == 0
     assert grew("rawserve_items_dropped_total", reason="expired") == 1
     assert grew("rawserve_items_dropped_total", reason="disconnected") == 1
