@@ -53,10 +53,27 @@ from rawserve.worker.scores import at_least_the_least_temperature, unusable
 PIPELINE_NUM_BEAMS = 4
 PIPELINE_MAX_NEW_TOKENS = 256
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
+# texts this short are read again for tokens (`refuse_unread`): cheap, and a text of
+# characters the tokenizer drops is short, but for one of control characters (read
+# whatever its length)
+SHORT_TEXT = 64
 # a tokenizer's own special tokens, which are in its vocabulary but name no language
 NAMED_TOKENS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 
 log = logging.getLogger("rawserve.generation")
+
+
+class LengthsSettled(logging.Filter):
+    """Leaves out generate()'s "Both `max_new_tokens` and `max_length` seem to have been
+    set" (and min's): the lengths are settled here (`settled`), as generate() reads them,
+    and it said so at every request naming a length to a model whose generation config
+    names one (bart-large-cnn's max_length 142)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "seem to have been set" not in record.getMessage()
+
+
+LENGTHS_SETTLED = LengthsSettled()
 
 
 class Abandoned(transformers.StoppingCriteria):
@@ -91,6 +108,7 @@ class Seq2SeqLMRunner(Runner):
         self.model, untrained = load_model("AutoModelForSeq2SeqLM", model, dtype=torch_dtype)
         self.model.to(device).eval()
         self.model.register_forward_hook(refuse_unusable_scores)  # every decoding step's
+        logging.getLogger("transformers.generation.utils").addFilter(LENGTHS_SETTLED)
         rows = embedding_rows(self.model)
         super().__init__(task, device, dtype_name(self.model), tokenizer, rows)
         self.untrained = untrained
@@ -282,8 +300,9 @@ class Seq2SeqLMRunner(Runner):
         """ValueError (a 422) for an input the tokenizer reads as no token at all, as a
         blank one is refused: a T5's, or a BERT tokenizer's, skips control and format
         characters (a byte-level BART reads them), and the model, seeing its task's prefix
-        alone, made up an answer. Only such texts are read again (`shows`)."""
-        unseen = [text for text in inputs if not shows(text)]
+        alone, made up an answer. Such texts, and short ones (a lone combining mark, a
+        private-use character, U+FFFD, which it drops too), are read again."""
+        unseen = [text for text in inputs if len(text) <= SHORT_TEXT or not shows(text)]
         if unseen and not all(self.tokenizer(unseen, add_special_tokens=False)["input_ids"]):
             raise ValueError(
                 "the text reads as no tokens: only control or format characters, which this "
