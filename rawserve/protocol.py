@@ -4,15 +4,17 @@ Bytes in (`data_received` → `h11.Connection.receive_data`), events out (`next_
 one request at a time per connection: while a response is pending, pipelined bytes wait
 in h11's buffer, so requests are answered in order. It hands complete requests to the
 app (an `Application`), never blocks and never imports torch. Every error becomes a
-response through `rawserve.http.errors.error_response`, at most one per request: once a
-response has started, an error can only close the connection.
+response, in its route's shape (`Application.refusal_renderer`, else
+`rawserve.http.errors.error_response`), at most one per request: once a response has
+started, an error can only close the connection.
 
 Beside it, by job: the request cycle (`rawserve.http.cycle`), the refusals it makes on
 its own (`rawserve.http.refusals`), and the head of every answer
 (`rawserve.http.response_head`). One writer (`_send`) writes every whole answer, however
-it is framed, and `_finish_cycle` keeps the connection or closes it once an answer is
-written (a connection also closes where an answer cannot be finished or a deadline
-passes between requests).
+it is framed; once an answer is written the connection reads its next request on a
+fresh h11 (`_restart_h11`, the head written by hand), or `_finish_cycle` keeps or closes
+it (a connection also closes where an answer cannot be finished or a deadline passes
+between requests).
 
 What one connection may cost is bounded whatever its client does (the limits, and the
 phases with their deadlines: `rawserve.http.limits`).
@@ -29,9 +31,10 @@ starts in HANDSHAKE, holding its seat from the TCP accept (`rawserve.http.handsh
     CLOSED ◀──linger over or peer's FIN── LINGER (FIN sent, the peer's bytes drained)
 
 A request answered without waiting (`Application.answer_now`, asked as soon as its head
-is read: probes, refusals) has its body read and dropped, and goes from BODY straight
-back to IDLE, without a task. LINGER exists so the peer's unread request bytes do not
-turn into a reset that destroys our last answer before the client reads it.
+is read: probes, refusals) has its body read and dropped, without a task: it goes from
+BODY to RESPONDING and on as any answer does (to LINGER, where it refused an `Expect`).
+LINGER exists so the peer's unread request bytes do not turn into a reset that destroys
+our last answer before the client reads it.
 """
 
 from __future__ import annotations

@@ -217,9 +217,10 @@ ErrorRenderer = Callable[[BaseException, str], HttpResponse]
 def error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:
     """Turn any exception into a JSON error response; unknown ones become a bare 500.
 
-    The one place where errors become responses: the protocol calls it for what the app
-    raises and for its own connection-level errors (malformed, too large, too slow), and
-    a stream calls it for an error after its head went out.
+    The protocol calls it for what the app raises and for its own connection-level
+    errors (malformed, too large, too slow) where the route has no shape of its own
+    (OpenAI's, rendered by the app's `refusal_renderer`); a stream's error after its head
+    went out is an event in its dialect's shape (`error_document`, OpenAI's document).
     """
     error = as_http_error(exc, request_id)
     return HttpResponse(error.status, dumps(error_document(error)), list(error.headers))
