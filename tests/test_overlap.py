@@ -17,7 +17,7 @@ from rawserve.serving.driver import Scheduler
 from rawserve.serving.pool import WorkerPool
 from rawserve.serving.refusals import Reason, Refused
 from rawserve.serving.status import WorkerState
-from rawserve.serving.supervision import CRASHED_ALONE
+from rawserve.serving.supervision import CRASHED_ALONE, REFUSED_POISON
 from rawserve.shared.messages import (
     BatchResult,
     ItemFailure,
@@ -191,6 +191,22 @@ async def test_a_crash_blames_the_running_batch_and_runs_the_one_behind_whole(fa
     # the batch behind never ran in the dead worker: it ran again as it was sent
     assert [output["batch"] for output in two.outputs] == [["x", "y"], ["x", "y"]]
     assert len(faulty_pool.poison) == 1  # only the culprit is remembered
+
+
+@pytest.mark.slow
+async def test_the_batch_behind_a_crash_runs_again_with_the_poison_memory_read(faulty_pool):
+    """A poison input alone, and a batch holding it held behind: run again whole, the
+    batch's copy ran batched though the input had crashed the worker alone, and took it
+    down once more (four deaths, not three). Sorted as a new batch is, its copy runs
+    alone and its batch-mate is answered."""
+    worker = faulty_pool.workers[0]
+    alone = faulty_pool.submit(["crash me"], {})
+    behind = faulty_pool.submit(["crash me", "x"], {})
+    one, two = await asyncio.wait_for(asyncio.gather(alone, behind), 120)
+    assert worker.record.restarts == 3
+    verdicts = {one.outputs[0], two.outputs[0]}  # (one crashed, the other refused)
+    assert verdicts == {CRASHED_ALONE, REFUSED_POISON}
+    assert two.outputs[1]["input"] == "x" and two.outputs[1]["batch"] == ["x"]
 
 
 @pytest.mark.slow

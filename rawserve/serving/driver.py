@@ -180,7 +180,8 @@ class Scheduler:
     by arrivals and by finished batches: the scheduler then looks at the queue again, once
     at the end of the event loop's pass however often it was woken in it. A look is a
     callback, not a task's step: one pass of the loop for hundreds of arrivals (and a
-    look that raises is logged by the loop; the next wake looks afresh).
+    look that raises answers the items it had queued 500, logged, and the next wake
+    looks afresh: `_fail_queued`).
     """
 
     def __init__(
@@ -529,7 +530,8 @@ class Scheduler:
             if not item.queued and item.batch is None and _waits(item)
         ]
         for item in unsent:
-            self.core.forget_batch([item], self.clock())  # (its batch's first item: its own)
+            # (a batch's first item's call forgets the batch; the others' do nothing)
+            self.core.forget_batch([item], self.clock())
         log.exception(
             "a scheduling pass failed; its %d queued items are answered 500",
             len(queued) + len(unsent),

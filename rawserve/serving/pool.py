@@ -155,7 +155,10 @@ class WorkerPool(PoolReports):
         self.max_failed_restarts = max_failed_restarts
         self.workers: list[WorkerHandle] = []
         self._place(config, devices)
-        self._retries: deque[Job] = deque()  # one-item retries after a crash, served first
+        # served before the scheduler's next batch: inputs run again alone after a crash,
+        # batches run again whole (held behind one that crashed), sequences run again
+        # side by side, inputs run alone for the poison memory
+        self._retries: deque[Job] = deque()
         self._batch_ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -684,15 +687,30 @@ class WorkerPool(PoolReports):
 
     def _run_again_whole(self, job: Job) -> None:
         """A batch a dead worker held behind the one it ran never started: it runs again
-        whole, ahead of the queue, but for the items nobody waits for any more."""
+        whole, ahead of the queue, but for the items nobody waits for any more, and for
+        those the poison memory knows by now, as `submit` sorts a batch's: refused where
+        quarantined, else run alone. (Run again whole, an input that had crashed the
+        worker alone ran batched and took it down once more: four deaths, not three.)"""
         if job.abandoned:
             not_run(job)
-        elif job.gone:
+            return
+        if job.gone:
             job.answer_unrun(sorted(job.gone), NOT_RUN)
-            wanted = [i for i in range(len(job.inputs)) if i not in job.gone]
-            self._retries.append(job.part(wanted, next(self._batch_ids), rerun=True))
-        else:
+        wanted = [i for i in range(len(job.inputs)) if i not in job.gone]
+        keys = self.supervisor.remembered([job.inputs[i] for i in wanted], job.params)
+        if not job.gone and not any(keys):  # (the common case)
             self._retries.append(replace(job, watchdog=None, waited=0.0, rerun=True))
+            return
+        refused = [i for i, key in zip(wanted, keys, strict=True) if key and key in self.poison]
+        if refused:
+            self._refuse_poison(job, refused)
+        alone = [i for i, key in zip(wanted, keys, strict=True) if key and i not in refused]
+        rest = [i for i in wanted if i not in refused and i not in alone]
+        if rest:
+            self._retries.append(job.part(rest, next(self._batch_ids), rerun=True))
+        for index in alone:
+            part = job.part([index], next(self._batch_ids), rerun=True)
+            self._retries.append(replace(part, isolated=True))
 
     def _watch(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = self._running_loop.create_task(coroutine)
