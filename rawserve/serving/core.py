@@ -1368,11 +1368,10 @@ class SchedulerCore:
         if least and ran > least:
             self.cost_model.observe(cost, min(ran, OUTLIER_FACTOR * least), tokens, flight.items)
 
-    def forget_batch(self, batch: Sequence[WorkItem], now: float | None = None) -> None:
-        """A batch failed in the worker pool: it is no longer in flight (from `now`, when
-        known, for the rows counted over time), and says nothing."""
-        if now is not None:
-            self._count_rows(now)
+    def forget_batch(self, batch: Sequence[WorkItem], now: float) -> None:
+        """A batch failed in the worker pool: it is no longer in flight (from `now`, for
+        the rows counted over time), and says nothing."""
+        self._count_rows(now)
         self._pop_in_flight(batch, now)
 
     def _observe_pace(
@@ -1405,9 +1404,9 @@ class SchedulerCore:
             return float(min(len(self._in_flight) + 1, most))
         return min(max(1.0, (self._row_seconds - flight.row_seconds) / seconds), most)
 
-    def _pop_in_flight(self, batch: Sequence[WorkItem], now: float | None) -> InFlight | None:
-        """`batch`'s flight, no longer in flight (from `now`, when known: the rest's ends
-        are judged again then)."""
+    def _pop_in_flight(self, batch: Sequence[WorkItem], now: float) -> InFlight | None:
+        """`batch`'s flight, no longer in flight (from `now`: the rest's ends are judged
+        again then)."""
         flight = self._in_flight.pop(batch[0].seq, None)
         if flight is not None:
             ends = self._in_flight_ends
@@ -1415,6 +1414,6 @@ class SchedulerCore:
             # (back to exactly zero when none is left: the sum's rounding never builds up)
             left = self._in_flight_predicted - flight.predicted
             self._in_flight_predicted = max(0.0, left) if self._in_flight else 0.0
-            if flight.paced_rows is not None and now is not None:
+            if flight.paced_rows is not None:
                 self._repace(now)
         return flight
