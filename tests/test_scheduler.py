@@ -1440,6 +1440,13 @@ def test_a_burst_read_before_the_first_send_waits_for_the_rows_its_first_part_ta
         assert refused.value.retry_after == pytest.approx(core.pace.predict(128, 8), rel=0.02)
     assert len(core) == 8
     queue_items(core, [text(12)], now=0.0, deadline=30.0, params=asks)  # in time: taken
+    # the first 8 start together and free together: 8 more due in 11.5 s make it (one
+    # pass later they were all taken; read as rows freeing one by one, 6 were refused)
+    core = rows_of(8)
+    for _ in range(16):
+        queue_items(core, [text(12)], now=0.0, deadline=11.5, params=asks)
+    with pytest.raises(DeadlineUnreachable):  # the third lap's would not
+        queue_items(core, [text(12)], now=0.0, deadline=11.5, params=asks)
 
 
 def test_a_queue_of_sequences_that_make_every_token_asked_is_timed_by_those():

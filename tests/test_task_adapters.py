@@ -967,7 +967,9 @@ def t5_summarizer(tmp_path_factory):
     return load_runner(worker_config(str(folder), "summarization", dtype="float32"), "cpu")
 
 
-@pytest.mark.parametrize("text", ["\x00", "\u200b\ufeff", "\u0301", "\ue000", "\ufffd"])
+@pytest.mark.parametrize(
+    "text", ["\x00", "\u200b\ufeff", "\u0301", "\ue000", "\ufffd", "\ufffd" * 65, "\u0301" * 80]
+)
 def test_a_text_the_seq2seq_tokenizer_reads_as_nothing_is_refused(t5_summarizer, runner, text):
     """A T5's tokenizer here skips control and format characters: the model saw its task's
     prefix alone and made up an answer (200), where a blank text is refused. A text with

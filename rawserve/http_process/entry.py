@@ -232,7 +232,9 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     # one that has not by then (stopped, stuck) cannot: they are answered 503 here (they
     # were closed unanswered, logged as their clients' leaving, 499)
     if not await answered_unless_closing(state, closing, grace + FINAL_WRITE_SECONDS):
-        if not closing.is_set():  # (the end of the drain: the serving process says so)
+        # (not where only bodies still coming are left, at the drain's end: the serving
+        # process says that; nor once it ended the drain)
+        if not closing.is_set() and (link.pending or not told.is_set()):
             # (stopped alone, the server goes on: its work simply outlasted our grace)
             log.warning(
                 "HTTP process %d: %s; answering what is left 503",

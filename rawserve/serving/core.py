@@ -761,9 +761,10 @@ class SchedulerCore:
         (the long ones: short ones leave first). (Read as the likely wait, in a simulated
         overload whose rows slowed by a quarter once their pace was learned, 5-10
         admitted requests expired queued against none.) With none running yet, the queued
-        ones on the free rows end first, at a queued sequence's time (a burst of 16 on 8
-        free rows, read in one pass before the first send, was admitted whole, as if
-        nothing were ahead: 7 expired queued, where 8 more a pass later were refused)."""
+        ones on the free rows start together and end first, at a queued sequence's time
+        (a burst of 16 on 8 free rows, read in one pass before the first send, was
+        admitted whole, as if nothing were ahead: 7 expired queued, where 8 more a pass
+        later were refused)."""
         running = len(self._in_flight)
         needed = queued_ahead + rows - max(self.workers - running, 0)  # rows to free first
         if needed <= 0:
@@ -771,9 +772,9 @@ class SchedulerCore:
         ends = self._expected_ends(now)
         if needed <= len(ends):
             return max(0.0, ends[needed - 1] - now)
-        if not ends:  # (a burst read before the first send: the first rows run queued ones)
-            pace = self._queued_sequence_seconds()
-            return pace + (needed - 1) * pace / max(self.workers, 1)
+        if not ends:  # (a burst read before the first send: the first rows run queued ones,
+            # starting together, and free together, a lap at a time)
+            return (1 + (needed - 1) // max(self.workers, 1)) * self._queued_sequence_seconds()
         pace = self._in_flight_predicted / running
         later = needed - len(ends)
         return max(0.0, ends[-1] - now) + later * pace / max(self.workers, 1)

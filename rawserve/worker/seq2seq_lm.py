@@ -32,7 +32,6 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
-from rawserve.tasks.checks import shows
 from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.long_texts import encode_cut, narrowed_texts
 from rawserve.worker.model_classes import load_model
@@ -53,10 +52,6 @@ from rawserve.worker.scores import at_least_the_least_temperature, unusable
 PIPELINE_NUM_BEAMS = 4
 PIPELINE_MAX_NEW_TOKENS = 256
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
-# texts this short are read again for tokens (`refuse_unread`): cheap, and a text of
-# characters the tokenizer drops is short, but for one of control characters (read
-# whatever its length)
-SHORT_TEXT = 64
 # a tokenizer's own special tokens, which are in its vocabulary but name no language
 NAMED_TOKENS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 
@@ -300,9 +295,10 @@ class Seq2SeqLMRunner(Runner):
         """ValueError (a 422) for an input the tokenizer reads as no token at all, as a
         blank one is refused: a T5's, or a BERT tokenizer's, skips control and format
         characters (a byte-level BART reads them), and the model, seeing its task's prefix
-        alone, made up an answer. Such texts, and short ones (a lone combining mark, a
-        private-use character, U+FFFD, which it drops too), are read again."""
-        unseen = [text for text in inputs if len(text) <= SHORT_TEXT or not shows(text)]
+        alone, made up an answer. Texts without a letter or a digit are read again (a
+        letter is read, as itself or as the unknown token): control characters, combining
+        marks, private-use characters, U+FFFD, which such a tokenizer drops."""
+        unseen = [text for text in inputs if not any(char.isalnum() for char in text)]
         if unseen and not all(self.tokenizer(unseen, add_special_tokens=False)["input_ids"]):
             raise ValueError(
                 "the text reads as no tokens: only control or format characters, which this "
