@@ -300,23 +300,34 @@ class WorkerPool(PoolReports):
         if not any(keys):  # (the common case: no input of it crashed a worker before)
             self._send(worker, whole)
             return future
-        refused = [i for i, key in enumerate(keys) if key is not None and key in self.poison]
-        if refused:
-            self._refuse_poison(whole, refused)
         # (a continuous worker takes no new sequence until its rows are done and it ran
         # the input alone: only for those more likely to be poison)
         anywhere = self.poison.runs_alone_anywhere
-        alone = [
-            i
-            for i, key in enumerate(keys)
-            if key and i not in refused and (not worker.sequences or anywhere(key))
-        ]
-        rest = [i for i in range(len(inputs)) if i not in refused and i not in alone]
+        alone, rest = self._sorted_by_memory(
+            whole, range(len(inputs)), keys, lambda key: not worker.sequences or anywhere(key)
+        )
         if rest:
             self._send(worker, whole.part(rest, next(self._batch_ids)))
         if alone:  # (a continuous worker's: on it, the others serving the queue meanwhile)
             self._run_alone(whole, alone, worker.index if worker.sequences else None)
         return future
+
+    def _sorted_by_memory(
+        self,
+        job: Job,
+        indices: Sequence[int],
+        keys: Sequence[str | None],
+        runs_alone: Callable[[str], bool],
+    ) -> tuple[list[int], list[int]]:
+        """The inputs of `job` at `indices`, whose poison memory `keys` are, sorted: the
+        quarantined ones refused here; those to run alone (remembered, and `runs_alone`
+        says so); the rest, to run batched."""
+        remembered = [(i, key) for i, key in zip(indices, keys, strict=True) if key]
+        refused = [i for i, key in remembered if key in self.poison]
+        if refused:
+            self._refuse_poison(job, refused)
+        alone = [i for i, key in remembered if i not in refused and runs_alone(key)]
+        return alone, [i for i in indices if i not in refused and i not in alone]
 
     def _refuse_poison(self, job: Job, refused: list[int]) -> None:
         """Answer the inputs of `job` at `refused`, quarantined, without running them."""
@@ -701,11 +712,7 @@ class WorkerPool(PoolReports):
         if not job.gone and not any(keys):  # (the common case)
             self._retries.append(replace(job, watchdog=None, waited=0.0, rerun=True))
             return
-        refused = [i for i, key in zip(wanted, keys, strict=True) if key and key in self.poison]
-        if refused:
-            self._refuse_poison(job, refused)
-        alone = [i for i, key in zip(wanted, keys, strict=True) if key and i not in refused]
-        rest = [i for i in wanted if i not in refused and i not in alone]
+        alone, rest = self._sorted_by_memory(job, wanted, keys, lambda key: True)
         if rest:
             self._retries.append(job.part(rest, next(self._batch_ids), rerun=True))
         for index in alone:

@@ -369,17 +369,17 @@ def settled(
             options["max_new_tokens"] = least[1]
     elif least[1] > most[1]:  # (generate() would stop at the most, the least unmet)
         raise ValueError(f"{least[0]} asks for more new tokens than {most[0]} allows")
-    return the_most_asked_wins(options, caller, own)
+    return options
 
 
 def the_most_asked_wins(
     options: dict[str, Any], caller: dict[str, Any], own: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """`options` (changed in place): where the caller asks a most, a least the task's
-    settings or the model's `own` generation config set past it (none asked) lowered to
-    it, as generate() stops at the most anyway (it warned at every such request that the
-    two could not both be met); and a max_length that max_new_tokens overrides left out
-    (generate() warned at every request that both were set)."""
+    """`options` (changed in place) for a caller that asks no least: where it asks a most,
+    a least the task's settings or the model's `own` generation config set past it
+    lowered to it, as generate() stops at the most anyway (it warned at every such
+    request that the two could not both be met). (That both a max_new_tokens and a
+    max_length are set, generate() says too: `LengthsSettled` leaves it out.)"""
     most = new_tokens(caller, "max_new_tokens", "max_length")
     if most is not None:
         least = new_tokens(options, "min_new_tokens", "min_length")
@@ -390,8 +390,6 @@ def the_most_asked_wins(
                 options["min_new_tokens"] = most[1]
             else:  # (min_length counts the decoder's start token)
                 options["min_length"] = most[1] + 1
-    if options.get("max_new_tokens") is not None:
-        options.pop("max_length", None)
     return options
 
 
