@@ -1258,6 +1258,62 @@ def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_othe
     serving.check()
 
 
+@pytest.mark.parametrize("kind", ["whole", "continuous"])
+def test_a_prompt_that_crashes_its_worker_as_it_streams_is_refused_at_the_third_death(loaded, kind):
+    """A stream that crashes its worker alone after its first tokens is not run again
+    (its client would get them twice), but its crash counts toward its prompt's
+    quarantine as a lone input's does where it is not run again: three deaths, then 422.
+    Counted for none, a poison prompt sent streamed took its worker down at every send
+    and was never refused."""
+    serving = loaded(kind=kind, max_batch_size=4)
+    worker = serving.pool.workers[0]
+    for death in range(3):
+        stream = serving.arrive(["poison"], {}, timeout=60.0, stream=True)
+        ((_, _, batch),) = serving.answerable()
+        serving.stream_a_token(worker, batch)
+        serving.crash(worker)
+        assert stream.outcome == "results" and stream.tokens == 1
+        # quarantined as it crashes the third time: its verdict
+        assert stream.ends[0][1][0].output == (CRASHED_ALONE if death == 2 else CRASHED_MID_STREAM)
+        serving.advance(10.0)  # past the restart's backoff
+        serving.load(worker)
+    serving.check()
+    refused = serving.arrive(["poison"], {}, timeout=60.0, stream=True)
+    assert refused.outcome == "results" and refused.ends[0][1][0].output == REFUSED_POISON
+    assert sent(serving) == [("poison",)] * 3  # refused, not run
+
+
+def test_streams_that_crash_their_continuous_worker_together_are_suspects(loaded):
+    """Streams a continuous worker dies with, after their first tokens, are suspects as
+    the inputs of a crashed batch nobody waits for are: after two such deaths each runs
+    alone, where the innocent one is answered and forgotten and the poison one counted,
+    refused after five deaths in all (as a poison prompt batched with others is)."""
+    serving = loaded(kind="continuous", max_batch_size=4)
+    worker = serving.pool.workers[0]
+    key = PoisonMemory.key("poison", {})
+    for death in range(5):
+        streams = [
+            serving.arrive([value], {}, timeout=60.0, stream=True) for value in ("mate", "poison")
+        ]
+        while [batch.inputs for _, _, batch in serving.answerable()] == [("mate",)]:
+            serving.answer(*serving.answerable()[0])  # run alone, the mate is answered
+        for _, _, batch in serving.answerable():
+            serving.stream_a_token(worker, batch)
+        running = sorted(batch.inputs for _, _, batch in serving.answerable())
+        assert running == ([("mate",), ("poison",)] if death < 2 else [("poison",)]), death
+        serving.crash(worker)
+        assert all(stream.outcome == "results" for stream in streams), death
+        serving.advance(10.0)  # past the restart's backoff
+        serving.load(worker)
+        if death < 4:
+            assert not serving.pool.supervisor.is_poison("poison", {}), death
+    assert serving.pool.poison.times(key) == 3
+    assert not serving.pool.poison.holds(PoisonMemory.key("mate", {}))
+    serving.check()
+    refused = serving.arrive(["poison"], {}, timeout=60.0, stream=True)
+    assert refused.ends[0][1][0].output == REFUSED_POISON
+
+
 def test_a_lone_sequence_that_crashes_its_continuous_worker_is_named_at_the_third_death(loaded):
     """Side by side with nobody, a lone lost sequence runs again alone from the first:
     each death with it counts toward naming it as a poison input, at the third, as a

@@ -108,9 +108,13 @@ def test_three_crashes_alone_quarantine_an_input_however_its_deadlines_fall():
     assert mixed.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
     assert mixed.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
     assert mixed.lost(Held(lone_key=key)) is LostBatch.QUARANTINED
-    streamed, _ = supervisor()  # tokens reached its client: it proves nothing, counts none
+    # tokens reached its client: not run again, counted as a crash not run again is
+    streamed, _ = supervisor()
     assert streamed.lost(Held(True, first_key=key)) is LostBatch.FAIL_MID_STREAM
-    assert len(streamed.poison) == 0
+    assert streamed.lost(Held(True, first_key=key)) is LostBatch.FAIL_MID_STREAM
+    assert not streamed.is_poison("crash me", {})
+    assert streamed.lost(Held(True, first_key=key)) is LostBatch.QUARANTINED
+    assert streamed.is_poison("crash me", {}) and streamed.poison.times(key) == 3
 
 
 def test_a_suspect_of_a_crashed_batch_is_held_to_run_alone_and_counts_only_its_crashes_alone():
@@ -198,11 +202,15 @@ def test_a_quarantine_expires_with_the_memory_of_the_last_crash():
 
 
 def test_a_crash_that_had_streamed_tokens_fails_the_batch_instead_of_rerunning_it():
+    """Streamed, a lone item is not run again (its client would get its tokens twice),
+    but its crash counts: a retry alone that streamed, at its first counted crash."""
     sup, _ = supervisor()
     key = PoisonMemory.key("a prompt", {})
     decision = sup.exited(0, while_loading=False, held=Held(streamed=True, lone_key=key))
     assert decision.lost is LostBatch.FAIL_MID_STREAM
-    assert len(sup.poison) == 0
+    assert sup.poison.times(key) == 1 and sup.poison.left(key) == 1
+    decision = sup.exited(0, while_loading=False, held=Held(streamed=True))  # (of several)
+    assert decision.lost is LostBatch.FAIL_MID_STREAM
 
 
 def test_failed_loads_make_the_process_unhealthy_until_one_loads():

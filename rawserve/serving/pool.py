@@ -1146,8 +1146,10 @@ class WorkerPool(PoolReports):
         """Do what supervision decided for the batch a dead worker held as it died running
         `died_with` items; nothing for one nobody waits for any more (it is not run
         again)."""
-        if died_with == 1 and job.poison_key is None and lost is not LostBatch.QUARANTINED:
-            self._say_counted(worker, job)  # (a first run's: counted as it was decided)
+        if died_with == 1 and lost in (LostBatch.RETRY_ALONE, LostBatch.FAIL_MID_STREAM):
+            self._say_counted(worker, job)  # (counted as it was decided)
+        if lost is LostBatch.FAIL_MID_STREAM:  # (not run again: its client has tokens of it)
+            self._suspect(job, range(len(job.inputs)), died_with)
         if job.abandoned or job.cancelled:
             if lost is LostBatch.QUARANTINED:
                 self._say_quarantined(worker, job, "crashed")

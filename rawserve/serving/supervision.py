@@ -330,16 +330,16 @@ class Supervisor:
 
     def lost(self, held: Held) -> LostBatch:
         """What becomes of a batch a dead worker held (`exited` decides it for the batch it
-        ran; a continuous worker's other batches are decided here, one by one)."""
-        if held.streamed:
-            return LostBatch.FAIL_MID_STREAM
+        ran; a continuous worker's other batches are decided here, one by one). A lone
+        item's crash counts toward its quarantine whether or not its tokens reached its
+        client (streamed, it is not run again: its client would get them twice)."""
         if held.first_key is not None and self.poison.crashed_first(held.first_key):
             return LostBatch.QUARANTINED
-        if held.lone_key is None:
-            return LostBatch.RETRY_ALONE
-        if self.poison.crashed(held.lone_key):
+        if held.lone_key is not None and self.poison.crashed(held.lone_key):
             return LostBatch.QUARANTINED
-        return LostBatch.RUN_AGAIN_ALONE
+        if held.streamed:  # (counted all the same: a poison prompt streamed was never refused)
+            return LostBatch.FAIL_MID_STREAM
+        return LostBatch.RETRY_ALONE if held.lone_key is None else LostBatch.RUN_AGAIN_ALONE
 
     def hung(self, held: Held, items: int) -> LostBatch:
         """What becomes of a batch of `items` its worker was killed for as hung
