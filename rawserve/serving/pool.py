@@ -795,7 +795,7 @@ class WorkerPool(PoolReports):
         batch's own)."""
         items = items or len(job.inputs)
         alone = items == 1
-        key = (job.poison_key or PoisonMemory.key(job.inputs[0], job.params)) if alone else None
+        key = lone_key(job) if alone else None
         decision = self.supervisor.hung(Held(job.streamed, key), items)
         if decision is LostBatch.RETRY_ALONE:
             if waited := len(job.inputs) - len(job.gone):  # (else none runs again)
@@ -1040,7 +1040,7 @@ class WorkerPool(PoolReports):
             worker.batch_cap = result.effective_batch_cap
         job.answer(replace(result, waited=job.waited) if job.waited else result)
         if job.isolated or job.poison_key is not None:  # (it ran alone, and did not crash)
-            self.poison.cleared(job.poison_key or PoisonMemory.key(job.inputs[0], job.params))
+            self.poison.cleared(lone_key(job))
         if not self._closing:
             self._pump()
 
@@ -1187,7 +1187,7 @@ class WorkerPool(PoolReports):
     def _say_counted(self, worker: WorkerHandle, job: Job) -> None:
         """Say a first run's crash alone where it counted (its input's first is remembered
         only): the count toward its quarantine, which no run again may say."""
-        key = PoisonMemory.key(job.inputs[0], job.params)
+        key = lone_key(job)
         times = self.poison.times(key)
         if self.poison.left(key) < self.poison.strikes:
             log.warning(
@@ -1206,7 +1206,7 @@ class WorkerPool(PoolReports):
             "the next %.0f s",
             worker.label,
             how,
-            self.poison.times(job.poison_key or PoisonMemory.key(job.inputs[0], job.params)),
+            self.poison.times(lone_key(job)),
             job_requests(job),
             self.poison.seconds,
             extra=request_named(job),
@@ -1307,6 +1307,11 @@ class WorkerPool(PoolReports):
             self.on_idle()
 
 
+def lone_key(job: Job) -> str:
+    """The poison memory's key of a batch of one: its input's, with its parameters."""
+    return job.poison_key or PoisonMemory.key(job.inputs[0], job.params)
+
+
 def held_by(job: Job, died_with: int) -> Held:
     """A batch a worker died holding, as supervision weighs it: its poison key where it
     was one item that worker ran alone (`died_with`: the items it ran as it died; 0 where
@@ -1317,7 +1322,7 @@ def held_by(job: Job, died_with: int) -> Held:
     if job.poison_key is not None:
         return Held(job.streamed, job.poison_key)
     if died_with == 1:
-        return Held(job.streamed, first_key=PoisonMemory.key(job.inputs[0], job.params))
+        return Held(job.streamed, first_key=lone_key(job))
     return Held(job.streamed)
 
 
