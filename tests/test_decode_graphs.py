@@ -441,7 +441,7 @@ def test_every_setting_a_row_may_have_steps_from_graphs_as_it_does_without(tiny_
         ]
 
     def scored(generation: Generation) -> Generation:
-        generation.scoring = runner._listing_prefill(generation, {})
+        generation.scoring = runner.listing_prefill(generation, {})
         return generation
 
     def made(cuda_graphs: bool) -> dict:

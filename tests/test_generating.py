@@ -1253,6 +1253,31 @@ def test_a_grammar_compiles_while_the_rows_already_there_go_on(runner, monkeypat
     assert got[2].outputs[0] == static(runner, "a", held)
 
 
+def test_a_grammar_whose_compiling_runs_out_of_memory_fails_its_item_alone(runner, monkeypatch):
+    """A grammar's compiling that raises anything but the client's ValueError (out of
+    memory: a grammar may grow to ~100 MB) fails its item alone, the model's fault, and
+    the rows beside it go on (it raised out of every step after: each failed every row
+    running, and it never left)."""
+    from rawserve.worker.grammars import Grammars
+
+    def out_of_memory(self, grammar):
+        raise MemoryError
+
+    monkeypatch.setattr(Grammars, "_compile", out_of_memory)
+    params = {**GREEDY, "max_new_tokens": 6}
+    # (a grammar no other test compiles: the runner keeps those it compiled)
+    held = {**params, "grammar": {"type": "regex", "value": "[0-7]{5}x"}}
+    batches = [Batch(1, ("the movie was",), params), Batch(2, ("a",), held)]
+    answered = results(serve(runner, {0: batches, 4: [Batch(3, ("a good film",), params)]}))
+    monkeypatch.undo()
+    assert answered[1].outputs[0] == static(runner, "the movie was", params)
+    assert answered[3].outputs[0] == static(runner, "a good film", params)
+    failed = answered[2].outputs[0]
+    assert failed == ItemFailure(
+        FailureKind.OUT_OF_MEMORY, "its grammar could not be compiled (MemoryError)"
+    )
+
+
 def test_a_compiled_grammar_whose_askers_left_is_not_held_as_under_way(runner):
     from rawserve.worker.grammars import Grammars
 
@@ -2728,6 +2753,44 @@ def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(runner,
     assert loop.cap.limit is None
 
 
+@pytest.mark.parametrize("error", ["a kernel failed", "out of memory"])
+def test_a_sequence_that_ended_earlier_in_a_failing_step_is_still_answered(
+    runner, monkeypatch, error
+):
+    """A sequence that ends on its first token, in a step whose decoding pass then raises,
+    is answered with what it made: it had left the batch, and the step's list of those
+    it ended was lost with the step (its request waited for a batch timeout's kill of a
+    healthy worker, its input taken for one that hangs)."""
+    import torch
+
+    from rawserve.worker.generating import GenerationLoop
+
+    short_ids = runner.tokenizer("a good film")["input_ids"]
+    forward = runner.model.forward
+    armed: list[bool] = []
+
+    def failing(*args, **kwargs):  # the decoding pass right after the short one's prefill
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1 and ids[0, -len(short_ids) :].tolist() == short_ids:
+            armed.append(True)
+        elif ids.shape[1] == 1 and armed:
+            armed.clear()
+            raise RuntimeError(error) if error != "out of memory" else torch.OutOfMemoryError()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", failing)
+    long = Batch(1, ("the movie was",), {**GREEDY, "max_new_tokens": 20})
+    short = Batch(2, ("a good film",), {**GREEDY, "max_new_tokens": 1})
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    loop.run(Script({0: [long], 3: [short]}))
+    monkeypatch.undo()
+    answered = results(sent)
+    assert sorted(answered) == [1, 2] and not loop.open
+    assert answered[2].outputs == (static(runner, "a good film", short.params),)
+    assert isinstance(answered[1].outputs[0], ItemFailure)  # the decoding pass's row
+
+
 def test_a_failing_step_leaves_no_times_of_its_sequences_behind(runner, monkeypatch):
     """Their first token's time was kept, waiting for a second that never came, for the
     worker's life (and each its whole sequence with it)."""
@@ -2848,11 +2911,86 @@ def test_prompts_that_all_fail_their_prefill_each_fail_and_the_loop_ends(runner,
     assert answered[1].outputs == (static(runner, "the movie was", params),)
 
 
-def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monkeypatch):
+def test_copies_of_a_prompt_whose_prefill_fails_fail_together_at_once(runner, monkeypatch):
+    """A request's n choices share their prompt's prefill: where it fails, they fail
+    together, not halved (halves of copies fail again, each halving a prefill more)."""
+    params = {"max_new_tokens": 4, "do_sample": True, "seed": 1}
+    running = Batch(1, ("the movie was",), {"max_new_tokens": 8, "do_sample": False})
+    copies = Batch(2, (POISON,) * 4, params)
+    prefills, answered = serve_poisoned(runner, monkeypatch, {0: [running], 2: [copies]})
+    assert prefills == [1, 1]  # the running row's, the copies' once
+    assert all(isinstance(f, ItemFailure) for f in answered[2].outputs)
+    assert not isinstance(answered[1].outputs[0], ItemFailure)
+
+
+def test_copies_of_a_long_prompt_whose_chunk_fails_fail_together_and_the_loop_goes_on(
+    runner, monkeypatch
+):
+    """Copies of a prompt prefilled in chunks, whose second chunk the model fails on, fail
+    together: halved, each half joined its chunks again whole and failed, for good (149
+    failed prefills in 300 passes, answered only at their deadline's cancel)."""
+    from rawserve.worker.generating import GenerationLoop
+
+    forward = runner.model.forward
+    chunks: list[int] = []
+
+    def failing(*args, **kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is not None and len(positions) == 1 and int(positions[0, 0]) == 8:
+            chunks.append(8)
+            raise RuntimeError("the model fails on this prompt's second chunk")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", failing)
+    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    loop.batcher.prefill_chunk = 8  # (the prompt: more than one chunk)
+    later = Batch(2, ("a good film",), {"max_new_tokens": 3, "do_sample": False})
+    loop.run(Script({0: [Batch(1, (prompt,) * 4, {"max_new_tokens": 5})], 6: [later]}))
+    monkeypatch.undo()
+    answered = results(sent)
+    assert len(runner.tokenizer(prompt)["input_ids"]) > 8 and chunks == [8]
+    assert all(isinstance(f, ItemFailure) for f in answered[1].outputs)
+    assert answered[2].outputs == (static(runner, "a good film", later.params),)
+
+
+def test_a_prompts_scoring_out_of_memory_beside_rows_scores_it_again(runner, monkeypatch):
+    """A prompt's scoring pass (TGI's decoder_input_details) that runs out of memory beside
+    running rows waits and scores its prompt again from the start: its pass, cut short,
+    had ended, and it joined listing none of its prompt's tokens (a 200, `prefill` [])."""
+    import torch
+
+    from rawserve.worker.generating import GenerationLoop
+
+    forward = runner.model.forward
+    failed: list[bool] = []
+
+    def failing(*args, **kwargs):  # (the scoring pass: no mask, no positions of its own)
+        if "attention_mask" not in kwargs and not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("out of memory")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", failing)
+    scored = {**GREEDY, "max_new_tokens": 3, "decoder_input_details": True}
+    script = {0: [Batch(1, ("the movie was",), {**GREEDY, "max_new_tokens": 30})]}
+    script[2] = [Batch(2, ("a good film",), scored)]
+    sent: list[Any] = []
+    GenerationLoop(runner, sent.append, 8).run(Script(script))
+    monkeypatch.undo()
+    assert failed == [True]
+    [answer] = results(sent)[2].outputs
+    assert len(answer[0]["details"]["prefill"]) == 3
+    assert without_logprobs(answer) == without_logprobs(static(runner, "a good film", scored))
+
+
+def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monkeypatch, caplog):
     """As the static path splits a batch that ran out of memory and retries its halves:
     the sequences start again from their prompts, half as many at once, and answer what
     they answer alone (a seeded sample its own); a stream that has sent tokens cannot
-    start again, nor can a sequence that ran out of memory alone: those fail."""
+    start again, nor can a sequence that ran out of memory alone: those fail, logged
+    (where the first sequence started again, the failure was logged for none)."""
     import torch
 
     from rawserve.worker.generating import GenerationLoop
@@ -2876,7 +3014,10 @@ def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monk
         return calls.rows, loop, results(sent)
 
     forward = runner.model.forward
-    rows, loop, answered = serve_failing(running, {4})  # the prefill, two steps, out of memory
+    with caplog.at_level(logging.ERROR, "rawserve.generation"):
+        rows, loop, answered = serve_failing(running, {4})  # the prefill, two steps, then
+    [logged] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert logged == "generation failed (request -)"  # the stream's
     assert rows[:4] == [3, 3, 3, 3] and set(rows[4:]) == {1}  # then one at a time
     for batch in running[:2]:
         expected = static(runner, batch.inputs[0], batch.params)

@@ -597,7 +597,7 @@ class CausalLMRunner(Runner):
             top_n=int(params.get("top_n_tokens") or 0),
         )
         if scores_prompt(params):  # (max_new_tokens 0: its answer is its prompt's scores)
-            generation.scoring = self._listing_prefill(generation, params)
+            generation.scoring = self.listing_prefill(generation, params)
         return generation
 
     def prefill_tokens(self, ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -625,7 +625,7 @@ class CausalLMRunner(Runner):
             tokens += held.add(token, pieces.next_pieces(so_far, last=index == len(ids) - 1))
         return tokens
 
-    def _listing_prefill(self, generation: Generation, params: dict[str, Any]) -> Iterator[int]:
+    def listing_prefill(self, generation: Generation, params: dict[str, Any]) -> Iterator[int]:
         """A sequence's `prefill` (`prefill_tokens`), made a few windows of the scoring pass
         a step of the continuous loop: the rows running decode between them."""
         generation.prefill = yield from self._prefill_in_windows(generation.prompt_ids, params)

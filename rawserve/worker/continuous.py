@@ -267,6 +267,8 @@ class ContinuousBatcher:
         # the long prompt prefilled a chunk a step (PREFILL_CHUNK), if any
         self.prefill_chunk = GPU_PREFILL_CHUNK if self.device.type == "cuda" else PREFILL_CHUNK
         self._chunked: ChunkedPrefill | None = None
+        # out of the batch in this step: kept here, where a later pass of it may raise
+        self._finished: list[Generation] = []
         graphs = cuda_graphs and GraphedDecode.supports(model)
         # a CPU's buffers go while no row runs (nothing reads their addresses but graphs)
         self._release_when_idle = self.device.type == "cpu" and not graphs
@@ -323,8 +325,9 @@ class ContinuousBatcher:
     def step(self) -> list[Generation]:
         """Join, decode one token for every row, leave; the sequences that finished."""
         self._take_compiled_grammars()
+        finished = self._finished
         # cancelled before they joined, or their grammar cannot be used
-        finished = [g for g in self.waiting if g.done]
+        finished += [g for g in self.waiting if g.done]
         self.waiting = [g for g in self.waiting if not g.done]
         finished += self._leave()
         finished += self._drop_cancelled_chunked()
@@ -355,6 +358,13 @@ class ContinuousBatcher:
         if self.rows:
             self._decode()
             finished += self._leave()
+        return self.take_finished()
+
+    def take_finished(self) -> list[Generation]:
+        """The sequences that finished in the last step, out of the batch; after a step
+        raised, those that finished before it did (a short answer, a cancelled one): the
+        failure's sequences are `drop_failed`'s, these were lost with the step's list."""
+        finished, self._finished = self._finished, []
         return finished
 
     def _joining_now(self, joining: list[Generation]) -> list[Generation]:
@@ -406,7 +416,8 @@ class ContinuousBatcher:
 
     def _take_compiled_grammars(self) -> None:
         """The waiting sequences whose grammar has compiled take their matcher (or fail,
-        where it cannot be used)."""
+        where it cannot be used: raised out of the step, a compiling that ran out of
+        memory failed every step after, the sequence never leaving)."""
         for generation in self.waiting:
             if generation.compiling is None or not generation.compiling.ready:
                 continue
@@ -414,6 +425,12 @@ class ContinuousBatcher:
                 generation.grammar = generation.compiling.held()
             except ValueError as exc:
                 generation.fail(str(exc))
+            except Exception as exc:  # noqa: BLE001 - not the client's: it fails alone too
+                memory = isinstance(exc, MemoryError)
+                generation.fail(
+                    f"its grammar could not be compiled ({type(exc).__name__})",
+                    FailureKind.OUT_OF_MEMORY if memory else FailureKind.INTERNAL,
+                )
             generation.compiling = None
 
     def _run_through(self, prompts: list[list[int]]) -> None:

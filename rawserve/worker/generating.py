@@ -263,8 +263,9 @@ class GenerationLoop:
                 finished = self.batcher.step()
         except Exception as exc:  # noqa: BLE001 - the worker goes on without those rows
             self._on_step_failure(exc)
-            return
-        self.cap.on_success()
+            finished = self.batcher.take_finished()  # (ended before the pass that raised)
+        else:
+            self.cap.on_success()
         for generation in finished:
             self._finish(generation)
 
@@ -273,10 +274,14 @@ class GenerationLoop:
         prefill = self.batcher.prefilling  # the joiners' own pass failed: the rows go on
         running = self.batcher.drop_failed()
         failure = self.runner.describe_failure(exc)
-        if prefill and len(running) > 1 and failure.kind is not FailureKind.OUT_OF_MEMORY:
+        prompts = {tuple(generation.prompt_ids) for generation in running}
+        if prefill and len(prompts) > 1 and failure.kind is not FailureKind.OUT_OF_MEMORY:
             # the model failed on one of their prompts, maybe: as the static path bisects
             # a failing batch, they join again in halves, down to the prompts that fail
-            # alone (each prefilled once more at most for every halving: it ends)
+            # alone (each prefilled once more at most for every halving: it ends). Copies
+            # of one prompt (a request's n choices; a long one's chunks) fail together:
+            # halves of them failed again, and those of a prompt prefilled in chunks
+            # joined its chunks again whole, failing and halved for good
             at_most = len(running) // 2
             log.warning(
                 "a prefill of %d sequences failed (%s): they join again, %d at a time",
@@ -301,18 +306,30 @@ class GenerationLoop:
             beside_rows = prefill and bool(self.batcher.rows)
             fewer = len(running) > 1 or beside_rows
             if fewer and not any(generation.tokens for generation in running):
+                for generation in running:
+                    self._score_again(generation)
                 self.batcher.wait_again(running)
                 return
         retry = failure.kind is FailureKind.OUT_OF_MEMORY and len(running) > 1
-        for index, generation in enumerate(running):
+        traced: BaseException | None = exc  # (the first to fail logs it: one traceback)
+        for generation in running:
             batch_id, item = generation.key
             opened = self.open.get(batch_id)
             if opened is None:
                 continue
             if retry and self._start_again(opened, item, generation):
                 continue
-            self._fail(opened, item, failure, exc if index == 0 else None)
+            self._fail(opened, item, failure, traced)
+            traced = None
             self._answer_if_done(opened)
+
+    def _score_again(self, generation: Generation) -> None:
+        """A sequence whose prompt's scoring pass (`scoring`) ran out of memory scores it
+        from the start when it is back (its pass, a generator, ended with the error: it
+        joined with no `prefill`, a 200 listing none of the prompt's tokens)."""
+        opened = self.open.get(generation.key[0])
+        if generation.scoring is not None and opened is not None:
+            generation.scoring = self.runner.listing_prefill(generation, opened.params)
 
     def _start_again(self, opened: OpenBatch, index: int, generation: Generation) -> bool:
         """A sequence that ran out of memory beside others queued again from its prompt
