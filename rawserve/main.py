@@ -44,6 +44,7 @@ from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_
 from rawserve.ops.stop_signals import interrupt_on_stop_signals, stop_signals
 from rawserve.options import (
     KEY_VARIABLE,
+    continuous_options,
     device_unservable,
     generation_options,
     ignored_by_the_handler,
@@ -528,6 +529,11 @@ def start(argv: Sequence[str] | None) -> int:
     if unread and not config.handler and not generates(plans):  # (a handler's are said)
         log.warning(
             "%s apply to text-generation models, and none is served: not applied",
+            ", ".join(unread),
+        )
+    elif (unread := continuous_options(config.model)) and not config.handler:
+        log.warning(
+            "%s apply to --generation continuous, and it is static: not applied",
             ", ".join(unread),
         )
     workers = plan_workers(config.model, plans)

@@ -410,6 +410,9 @@ class OneLineParser(argparse.ArgumentParser):
     A line about an option its variable set says so (`given`: the command line)."""
 
     given: Sequence[str] = ()
+    # a switch variable's bad value, refused once the command line is read: --help and
+    # --version are answered whatever the environment holds
+    refused_later: str | None = None
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}{self._set_by(message)}\n")
@@ -531,9 +534,9 @@ def build_parser() -> OneLineParser:
     for option in OPTIONS:
         if option.type is bool:  # a switch; its variable is 1/true/yes/on or 0/false/no/off
             value = os.environ.get(option.env, "").strip().lower()
-            if value not in ENV_TRUE + ENV_FALSE:
+            if value not in ENV_TRUE + ENV_FALSE and parser.refused_later is None:
                 named = ", ".join(word for word in ENV_TRUE + ENV_FALSE if word)
-                parser.error(f"{option.env} must be one of {named}, or empty")
+                parser.refused_later = f"{option.env} must be one of {named}, or empty"
             help = f"{option.help} [env {option.env}=1]"
             parser.add_argument(
                 option.flag, action="store_true", default=value in ENV_TRUE, help=help
@@ -614,6 +617,13 @@ def generation_options(model: ModelConfig) -> list[str]:
     return [flag for flag, given in set_here.items() if given]
 
 
+def continuous_options(model: ModelConfig) -> list[str]:
+    """The continuous batching options set beside `--generation static`, which reads
+    none of them, for a warning."""
+    unread = generation_options(model) if model.generation == "static" else []
+    return [flag for flag in unread if flag != "--generation"]
+
+
 def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     """The checked configuration of `argv` (sys.argv when None) and the RAWSERVE_*
     variables; on an invalid value, the error line and exit code 2 (SystemExit)."""
@@ -624,6 +634,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     sagemaker = given[:1] == [SAGEMAKER_COMMAND]
     parser.given = given = given[1:] if sagemaker else given
     args = parser.parse_args(given)
+    if parser.refused_later is not None:
+        parser.error(parser.refused_later)
     # argparse keeps the last of an option's values, as a wrapper's defaults overridden by
     # its user's want; where a second reads as "and this one too", it is refused
     for flag, instead in READ_AS_SEVERAL.items():
@@ -689,8 +701,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     if args.device:  # no --device (or RAWSERVE_DEVICE empty): the default layout
         try:
             devices = tuple(parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES")))
-        except ValueError as exc:
-            parser.error(str(exc))
+        except ValueError as exc:  # (named, as every option's: its variable may set it)
+            parser.error(f"--device: {exc}")
     gpu = layout.on_gpu(devices, handler=bool(args.handler))
     args.max_batch_size, args.max_batch_tokens, batch_limits = batch_defaults(
         args.max_batch_size, args.max_batch_tokens, gpu
@@ -836,12 +848,9 @@ def check_values(
     if not 1 <= args.http_processes <= cores.cores:  # one speaks HTTP on a core at most
         parser.error(f"--http-processes must be from 1 to {cores.cores}, {allowed}")
     check_host(args.host, parser)
-    timeouts = (args.keepalive_timeout, args.head_timeout, args.body_timeout, args.write_timeout)
-    if min(timeouts) <= 0:
-        parser.error(
-            "--keepalive-timeout, --head-timeout, --body-timeout and --write-timeout "
-            "must be positive"
-        )
+    for name in ("keepalive_timeout", "head_timeout", "body_timeout", "write_timeout"):
+        if getattr(args, name) <= 0:  # (one message for the four blamed a variable set well)
+            parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.stream_keepalive < 0:
         parser.error("--stream-keepalive must not be negative (0: no keep-alive comments)")
     if args.generation not in ("continuous", "static"):

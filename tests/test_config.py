@@ -224,7 +224,13 @@ def test_pooling_is_read_in_sentence_transformers_words_and_tei_s(monkeypatch, g
     [
         ([*ECHO, "--model", "org/name"], {}, "--handler serves its own callable"),
         (["--engine", "tensorrt"], {}, "--engine must be torch, onnx or auto"),
-        (["--device", "gpu"], {}, "invalid device 'gpu'"),
+        (["--device", "gpu"], {}, "--device: invalid device 'gpu'"),
+        (
+            [],
+            {"RAWSERVE_DEVICE": "gpu"},
+            "device 'gpu': use auto, cpu, cuda, cuda:N or mps, "
+            "comma-separated (set by RAWSERVE_DEVICE='gpu')",
+        ),
         (["--device", "cuda:2"], {"CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
         (["--max-batch-size", "0"], {}, "--max-batch-size must be positive"),
         (["--port", "-1"], {}, "--port must be from 0 (any free port) to 65535"),
@@ -386,6 +392,30 @@ def test_generation_options_beside_no_text_generation_model_are_said_not_applied
     assert started.returncode == 0, started.stderr[-2000:]
     [line] = [line for line in started.stderr.splitlines() if "not applied" in line]
     assert "--generation, --max-sequences apply to text-generation models" in line
+
+
+def test_continuous_options_beside_static_generation_are_said_not_applied(tiny_model):
+    """--max-sequences and --join-wait-steps with --generation static were taken silently
+    (/info's max_sequences 0): a tester read them as honoured."""
+    model = str(tiny_model("text-generation"))
+
+    def warned(*flags: str) -> list[str]:
+        argv = ["--download-only", "--model", model, *flags]
+        started = subprocess.run(
+            [sys.executable, "-m", "rawserve", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO_ROOT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        assert started.returncode == 0, started.stderr[-2000:]
+        return [line for line in started.stderr.splitlines() if "not applied" in line]
+
+    both = ["--max-sequences", "4", "--join-wait-steps", "2"]
+    [line] = warned("--generation", "static", *both)
+    assert "--max-sequences, --join-wait-steps apply to --generation continuous" in line
+    assert warned(*both) == [] and warned("--generation", "static") == []
 
 
 def test_the_workers_per_core_are_planned_once_the_models_are_known(monkeypatch):

@@ -297,6 +297,17 @@ def test_a_user_without_a_home_still_gets_a_cache_folder(monkeypatch):
     assert engine_trial.default_cache_dir() == Path("/.cache/rawserve/onnx")
 
 
+@pytest.mark.parametrize("blank", ["", " ", "\t "])
+def test_a_blank_cache_dir_variable_is_read_as_unset(monkeypatch, tmp_path, blank):
+    """As every RAWSERVE_* variable: blank, it named a folder " " in the working
+    directory, the graph exported anew in each."""
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", blank)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert engine_trial.default_cache_dir() == tmp_path / "rawserve" / "onnx"
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "mine"))
+    assert engine_trial.default_cache_dir() == tmp_path / "mine" / "onnx"
+
+
 def test_a_large_file_saved_again_in_place_changes_its_fingerprint(tmp_path):
     """A large file is read at its head and tail only: weights saved again in place,
     changed only in their middle (a merged LoRA's layers), kept their fingerprint, and

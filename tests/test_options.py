@@ -214,6 +214,12 @@ def test_a_switch_variable_of_another_word_names_the_words_it_takes(monkeypatch,
     assert error.endswith(
         "RAWSERVE_NO_WARMUP must be one of 1, true, yes, on, 0, false, no, off, or empty"
     )
+    # --help and --version are answered whatever the environment holds (they were not)
+    for asked in ("--help", "--version"):
+        with pytest.raises(SystemExit) as exit:
+            parse_config([asked])
+        assert exit.value.code == 0, asked
+        assert capsys.readouterr().out.strip(), asked
 
 
 @pytest.mark.parametrize(
@@ -542,6 +548,25 @@ def test_model_options_set_beside_a_handler_are_named_as_not_applying(monkeypatc
     assert ignored_by_the_handler(parse_config(given)) == ["--dtype", "--join-wait-steps"]
 
 
+def test_a_refusal_blames_the_option_at_fault_not_another_whose_variable_is_set(
+    monkeypatch, capsys
+):
+    """The four connection timeouts shared one message, which blamed the first of them
+    whose variable was set, a valid one: `RAWSERVE_HEAD_TIMEOUT=10 --body-timeout 0`
+    said "(set by RAWSERVE_HEAD_TIMEOUT='10')"."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_HEAD_TIMEOUT", "10")
+    monkeypatch.setenv("RAWSERVE_WRITE_TIMEOUT", "0")
+    with pytest.raises(SystemExit):
+        parse_config(["--body-timeout", "0"])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "rawserve: error: --body-timeout must be positive", line
+    with pytest.raises(SystemExit):
+        parse_config([])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("--write-timeout must be positive (set by RAWSERVE_WRITE_TIMEOUT='0')")
+
+
 @pytest.mark.parametrize(
     ("env", "value", "argv", "says"),
     [
@@ -605,10 +630,10 @@ def test_a_stream_keepalive_of_0_sends_no_keep_alive_comment(monkeypatch):
         ("--max-client-batch-size", "1", "0", "--max-client-batch-size must be positive"),
         ("--max-body-bytes", "1", "0", "--max-body-bytes must be positive"),
         ("--port", "65535", "65536", "--port must be from 0 (any free port) to 65535"),
-        ("--keepalive-timeout", "0.001", "0", "--keepalive-timeout, --head-timeout, "),
-        ("--head-timeout", "0.001", "0", "--keepalive-timeout, --head-timeout, "),
-        ("--body-timeout", "0.001", "-1", "--keepalive-timeout, --head-timeout, "),
-        ("--write-timeout", "0.001", "0", "--keepalive-timeout, --head-timeout, "),
+        ("--keepalive-timeout", "0.001", "0", "--keepalive-timeout must be positive"),
+        ("--head-timeout", "0.001", "0", "--head-timeout must be positive"),
+        ("--body-timeout", "0.001", "-1", "--body-timeout must be positive"),
+        ("--write-timeout", "0.001", "0", "--write-timeout must be positive"),
         ("--stream-keepalive", "0", "-0.5", "--stream-keepalive must not be negative"),
         ("--threads", "8", "9", "--threads must be from 1 to 8"),
         ("--http-processes", "1", "0", "--http-processes must be from 1 to 8"),

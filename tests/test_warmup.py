@@ -6,7 +6,9 @@ ready (/ready says "warming" meanwhile), the batch is counted in no metric, and
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import re
 import shutil
@@ -140,6 +142,25 @@ def test_a_warming_worker_is_not_ready_and_says_so():
     executor._pump = lambda: None  # type: ignore[method-assign] - nothing to dispatch here
     executor._on_message(worker, ready)
     assert executor.ready and executor.status()[0].warmup_seconds == 0.25
+
+
+@pytest.mark.parametrize(("warmed", "warned"), [(0.25, True), (0.05, False)])
+async def test_a_first_warm_up_past_the_batch_timeout_is_warned_of(caplog, warmed, warned):
+    """Ready, then each batch as large was killed as hung (500s, restarts), the log saying
+    nothing of why at the start (`--batch-timeout 0.001`: a tester)."""
+    executor = WorkerPool(
+        WorkerConfig(model="unused", task="fill-mask"), ["cpu"], batch_timeout=0.1
+    )
+    executor._first_load = asyncio.get_running_loop().create_future()
+    [worker] = executor.workers
+    worker.state = WorkerState.WARMING
+    executor._pump = lambda: None  # type: ignore[method-assign] - nothing to dispatch here
+    ready = WorkerReady(1, "fill-mask", "cpu", "float32", 1.0, warmup_seconds=warmed)
+    with caplog.at_level(logging.WARNING, "rawserve"):
+        executor._on_message(worker, ready)
+    said = [r.getMessage() for r in caplog.records if "--batch-timeout" in r.getMessage()]
+    expected = "worker 0: its warm-up batch took 0.25 s, longer than --batch-timeout (0.1 s)"
+    assert [line.startswith(expected) for line in said] == ([True] if warned else [])
 
 
 def warming_executor() -> WorkerPool:

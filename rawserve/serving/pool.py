@@ -993,6 +993,15 @@ class WorkerPool(PoolReports):
             f" (warm-up {warmed:.2f} s)" if warmed is not None else "",
         )
         if self._first_load and not self._first_load.done():
+            if warmed is not None and warmed > self.batch_timeout and not ready.sequences:
+                # (else ready, then each batch as large killed as hung: 500s and restarts)
+                log.warning(
+                    "worker %s: its warm-up batch took %.2f s, longer than --batch-timeout "
+                    "(%g s): batches as large will be killed as hung; raise --batch-timeout",
+                    worker.label,
+                    warmed,
+                    self.batch_timeout,
+                )
             self._first_load.set_result(ready)
         self._pump()
 

@@ -234,9 +234,10 @@ def default_cache_dir() -> Path:
     """$RAWSERVE_CACHE_DIR/onnx, else under $XDG_CACHE_HOME or ~/.cache. A user with no
     home (HOME unset and no entry in the password database, as an arbitrary container
     uid has) gets `/` as home, as Docker gives one: a cache there that cannot be written
-    is logged, never a failed start."""
+    is logged, never a failed start. Blank, it is unset, as every RAWSERVE_* variable
+    is (a folder named " " was made in the working directory)."""
     configured = os.environ.get("RAWSERVE_CACHE_DIR")
-    if configured:
+    if configured and configured.strip():
         return Path(configured) / "onnx"
     base = os.environ.get("XDG_CACHE_HOME") or str(home() / ".cache")
     return Path(base) / "rawserve" / "onnx"
