@@ -378,11 +378,11 @@ def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line():
     assert downloaded.returncode == 0, downloaded.stderr[-2000:]
 
 
-def test_generation_options_beside_no_text_generation_model_are_said_not_applied():
-    """As beside a handler: taken silently, they looked honoured (a reader)."""
-    argv = ["--download-only", "--generation", "static", "--max-sequences", "4"]
+def said_not_applied(*argv: str) -> list[str]:
+    """The lines of a `--download-only` start with `argv` that say an option is not
+    applied."""
     started = subprocess.run(
-        [sys.executable, "-m", "rawserve", *argv],
+        [sys.executable, "-m", "rawserve", "--download-only", *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -390,32 +390,24 @@ def test_generation_options_beside_no_text_generation_model_are_said_not_applied
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert started.returncode == 0, started.stderr[-2000:]
-    [line] = [line for line in started.stderr.splitlines() if "not applied" in line]
+    return [line for line in started.stderr.splitlines() if "not applied" in line]
+
+
+def test_generation_options_beside_no_text_generation_model_are_said_not_applied():
+    """As beside a handler: taken silently, they looked honoured (a reader)."""
+    [line] = said_not_applied("--generation", "static", "--max-sequences", "4")
     assert "--generation, --max-sequences apply to text-generation models" in line
 
 
 def test_continuous_options_beside_static_generation_are_said_not_applied(tiny_model):
     """--max-sequences and --join-wait-steps with --generation static were taken silently
     (/info's max_sequences 0): a tester read them as honoured."""
-    model = str(tiny_model("text-generation"))
-
-    def warned(*flags: str) -> list[str]:
-        argv = ["--download-only", "--model", model, *flags]
-        started = subprocess.run(
-            [sys.executable, "-m", "rawserve", *argv],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO_ROOT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
-        assert started.returncode == 0, started.stderr[-2000:]
-        return [line for line in started.stderr.splitlines() if "not applied" in line]
-
+    model = ["--model", str(tiny_model("text-generation"))]
     both = ["--max-sequences", "4", "--join-wait-steps", "2"]
-    [line] = warned("--generation", "static", *both)
+    [line] = said_not_applied(*model, "--generation", "static", *both)
     assert "--max-sequences, --join-wait-steps apply to --generation continuous" in line
-    assert warned(*both) == [] and warned("--generation", "static") == []
+    assert said_not_applied(*model, *both) == []
+    assert said_not_applied(*model, "--generation", "static") == []
 
 
 def test_the_workers_per_core_are_planned_once_the_models_are_known(monkeypatch):
