@@ -779,6 +779,8 @@ AGREEMENT = [
     ("CHAT", {"messages": []}, False),
     ("COMPLETION", {"prompt": ["a", "b"], "max_tokens": 3, "stop": ["."], "seed": 1}, True),
     ("COMPLETION", {"prompt": "a", "n": 1, "best_of": 1, "echo": False}, True),
+    ("COMPLETION", {"prompt": "a", "max_tokens": 0, "echo": True}, True),
+    ("COMPLETION", {"prompt": "a", "repetition_penalty": 0}, False),
     ("COMPLETION", {"prompt": "a", "n": 2}, True),
     ("COMPLETION", {"prompt": "a", "n": 129}, False),
     ("COMPLETION", {"prompt": [1, 2]}, True),  # token ids
@@ -2062,6 +2064,13 @@ def test_fields_that_go_only_together_are_refused_apart():
     streamed_echo = {"prompt": "a", "echo": True, "logprobs": 1, "stream": True}
     with pytest.raises(BadRequest, match="echo"):
         parse_completion(streamed_echo, DocContext(model, 32))
+    # as OpenAI and vLLM: the best of 1 cannot give 2 answers; 0 new tokens only echoed
+    for apart, param in (({"n": 2, "best_of": 1}, "best_of"), ({"max_tokens": 0}, "max_tokens")):
+        with pytest.raises(BadRequest) as refused:
+            parse_completion({"prompt": "a", **apart}, DocContext(model, 32))
+        assert refused.value.param == param, apart
+    together = {"prompt": "a", "max_tokens": 0, "echo": True, "n": 1, "best_of": 1}
+    assert parse_completion(together, DocContext(model, 32)).params["max_new_tokens"] == 0
 
 
 def test_guided_choice_holds_its_texts_as_written_not_as_patterns():

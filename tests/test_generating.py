@@ -702,6 +702,9 @@ def test_the_static_paths_step_reads_its_rows_log_probabilities_back_at_once(run
         ("x", "x", ["y", "x"], 1),  # any of them
         (" film", " film", ["fil"], 4),  # the piece runs on past the stop: cut after it
         ("a xyz", " xyz", ["z", "xy"], 3),  # the first to end, not the first listed
+        # a shorter stop made in an earlier piece, kept in a longer one's tail (it did not
+        # count yet: min_new_tokens): not found again, which ended the row at no stop
+        ("one\ntwo", "o", ["\n", "THE END"], 0),
     ],
 )
 def test_a_stop_sequence_counts_in_the_piece_it_ends_in_and_the_piece_ends_with_it(
@@ -832,6 +835,33 @@ def test_a_row_held_to_min_new_tokens_copies_nothing_from_the_host_at_each_step(
     assert [len(g.tokens) for g in rows] == [12] * 3
     assert not any(token in batcher.eos_ids for g in rows for token in g.tokens)
     assert copies.count == 0
+
+
+def test_a_greedy_row_held_to_min_new_tokens_never_takes_the_models_own_end_early(
+    runner, monkeypatch
+):
+    """Where the model's own greedy pick is its end of sequence, with no setting of the
+    row's that changes scores (none but min_new_tokens), the row is held to its least
+    tokens: greedy rows' quick pick, read before the end is masked, must not take it."""
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+
+    ids = runner.tokenizer("the movie was")["input_ids"]
+
+    def run(*rows: Generation) -> None:
+        batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
+        for generation in rows:
+            batcher.add(generation)
+        while batcher.busy:
+            batcher.step()
+
+    probe = Generation("probe", ids, 1)
+    run(probe)
+    [first] = probe.tokens  # the model's greedy pick, made its end of sequence
+    monkeypatch.setattr(runner.model.generation_config, "eos_token_id", first)
+    free, held = Generation("free", ids, 6), Generation("held", ids, 6, min_new_tokens=4)
+    run(free, held)
+    assert free.tokens == [first] and free.finish_reason == "eos_token"
+    assert first not in held.tokens[:4] and len(held.tokens) >= 4, held.tokens
 
 
 def test_openais_penalties_count_each_rows_new_tokens():

@@ -742,6 +742,7 @@ def test_an_input_of_a_crashed_batch_not_run_again_runs_alone_when_it_comes_agai
     serving.answer(*serving.answerable()[0])
     assert sent(serving)[-1] == ("mate",)
     serving.answer(*serving.answerable()[0])
+    assert not serving.pool.poison.holds(PoisonMemory.key("mate", {}))  # answered alone
     assert sent(serving)[-1] == ("poison",)
     crash_and_restart()  # its first crash alone: remembered
     assert mixed.ends and serving.pool.poison.times(key) == 1
