@@ -78,6 +78,7 @@ from rawserve.http.flow_control import (
     FlowControl,
     Transport,
     bound_unsent,
+    has_failed,
     reset_on_close,
     tls_write_buffer,
     unsent_in_kernel,
@@ -89,6 +90,7 @@ from rawserve.http.limits import (
     PROBE_RESERVE,
     PROBE_SEATS,
     READ_AHEAD_LIMIT,
+    RESET_LOOK_SECONDS,
     Phase,
     ProtocolSettings,
     Seats,
@@ -203,6 +205,7 @@ class HttpProtocol(asyncio.Protocol):
         self.probe_only = False  # taken past the connection cap: one probe, then close
         self.seats = Seats()  # the seats it holds (none yet; one of the state's once taken)
         self.read_ahead = 0  # bytes received since h11 last needed data
+        self.reset_look: asyncio.TimerHandle | None = None  # (`_look_for_a_reset`)
         # the answer written last, and the bytes a write timeout left unsent: its line
         # names that answer, and a stream cut there logs what it sent
         self.last_request_id = "-"
@@ -411,6 +414,10 @@ class HttpProtocol(asyncio.Protocol):
             self.conn.receive_data(data)
             if self.read_ahead > READ_AHEAD_LIMIT:
                 self._flow.pause_reading()
+                if self.reset_look is None:
+                    self.reset_look = self.loop.call_later(
+                        RESET_LOOK_SECONDS, self._look_for_a_reset
+                    )
             return
         if self.phase is Phase.IDLE:
             data = data.lstrip(_EMPTY_LINE)
@@ -430,6 +437,20 @@ class HttpProtocol(asyncio.Protocol):
         except MemoryError as exc:  # its bytes cannot be held now: an answer, not a reset
             self._fail(as_http_error(exc))
 
+    def _look_for_a_reset(self) -> None:
+        """While reading is paused behind pipelined bytes, a client that leaves is not
+        read: its FIN waits behind the bytes it still sends (nothing can see it), but a
+        reset has reached the kernel, and is looked for each RESET_LOOK_SECONDS (a reset
+        client's generation ran on to its end or its deadline, 120 s, for nobody)."""
+        self.reset_look = None
+        if self.phase is not Phase.RESPONDING or not self._flow.read_paused:
+            return
+        if has_failed(self.socket_transport or self.transport):
+            assert self.transport is not None
+            self.transport.abort()  # (its loss withdraws the work, as a read reset does)
+            return
+        self.reset_look = self.loop.call_later(RESET_LOOK_SECONDS, self._look_for_a_reset)
+
     def eof_received(self) -> bool | None:
         self.eof_seen = True
         if not self._reading:  # (in HANDSHAKE: `_handshake` reads it once it goes on)
@@ -441,6 +462,8 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         phase = self.phase
         self._enter(Phase.CLOSED)
+        if self.reset_look is not None:
+            self.reset_look.cancel()
         self.seats.leave(self)
         self.state.refusals_lingering.leave(self)
         if self.flow is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import email.utils
 import gzip
@@ -2310,6 +2311,66 @@ async def test_a_pipelining_client_gets_no_more_read_ahead_per_answer(server):
     assert 1 < answered < sent and not transport.reading
     buffered = len(protocol.conn.trailing_data[0])
     assert buffered <= READ_AHEAD_LIMIT + len(request) * 100
+
+
+@pytest.mark.parametrize("leaving", ["reset", "stays"])
+async def test_a_client_that_resets_behind_its_pipelined_backlog_has_its_work_withdrawn(
+    monkeypatch, leaving
+):
+    """Past READ_AHEAD_LIMIT pipelined bytes, reading pauses, and a reset by the client is
+    read no more: its request's work ran on to its end (a generation to its deadline,
+    120 s) for nobody. The kernel holds the reset: it is looked for while paused."""
+    import struct
+
+    monkeypatch.setattr("rawserve.protocol.RESET_LOOK_SECONDS", 0.05)
+    loop = asyncio.get_running_loop()
+    cancelled = asyncio.Event()
+
+    class HangingApp(FakeApp):
+        async def handle(self, request):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    connections: list[HttpProtocol] = []
+
+    def protocol() -> HttpProtocol:
+        connections.append(HttpProtocol(HangingApp(), ProtocolSettings(), loop=loop))
+        return connections[-1]
+
+    server = await loop.create_server(protocol, "127.0.0.1")
+    client = socket.socket()
+    client.setblocking(False)
+    try:
+        await loop.sock_connect(client, server.sockets[0].getsockname())
+        backlog = b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n" * 20_000
+        client.send(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+        await asyncio.sleep(0.1)  # /slow runs
+        sent = 0
+        while sent < len(backlog):  # as much as the kernels take
+            try:
+                sent += client.send(backlog[sent : sent + 65536])
+            except BlockingIOError:
+                break
+            await asyncio.sleep(0)
+        assert sent > 2 * READ_AHEAD_LIMIT
+        await asyncio.sleep(0.2)  # the server reads some, and pauses
+        if leaving == "reset":
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(cancelled.wait(), 5 if leaving == "reset" else 0.5)
+        assert cancelled.is_set() == (leaving == "reset")  # (one that stays is served on)
+    finally:
+        client.close()
+        for connection in connections:
+            if connection.transport is not None:
+                connection.transport.abort()
+        await asyncio.sleep(0)
+        server.close()
+        await server.wait_closed()
 
 
 def test_the_chunk_meter_counts_every_byte_sent_and_tiny_chunks_at_a_minimum():

@@ -89,6 +89,19 @@ def reset_on_close(transport: Transport | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
+def has_failed(transport: Transport | None) -> bool:
+    """Whether the kernel holds an error for this connection (its peer reset it), which
+    nothing reads while reading is paused. Read, the error is cleared: the caller gives
+    the connection up."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+    except (OSError, ValueError):  # (closed meanwhile: uvloop's ValueError)
+        return False
+
+
 def bound_unsent(transport: Transport | None, most: int) -> None:
     """Let the kernel hold at most `most` unsent bytes of this connection's. Where the
     option is missing (not TCP, not Linux or macOS), the kernel's buffer bounds them alone."""

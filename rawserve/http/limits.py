@@ -39,6 +39,9 @@ from typing import Protocol
 from rawserve.http.cycle import Cycle
 
 READ_AHEAD_LIMIT = 64 * 1024  # bytes read but not yet parsed, per connection
+# How often a connection whose reading paused behind READ_AHEAD_LIMIT pipelined bytes is
+# looked at for a reset by its client, which no read reports while paused
+RESET_LOOK_SECONDS = 1.0
 LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
 # Past --max-connections, this many more connections are taken, each for one probe: a
 # liveness probe must not fail (and restart a healthy server) because busy clients hold
