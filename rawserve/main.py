@@ -50,6 +50,7 @@ from rawserve.options import (
     ignored_by_the_handler,
     misspelled_variables,
     parse_config,
+    set_by_note,
 )
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
@@ -500,7 +501,8 @@ def start(argv: Sequence[str] | None) -> int:
     # own model")
     unservable = not config.download_only and device_unservable(config.model.devices)
     if not config.handler and unservable:
-        log.error("%s", unservable)  # (what a worker would say once loaded)
+        # (what a worker would say once loaded)
+        log.error("%s%s", unservable, set_by_note("--device", argv))
         return 1
     interrupt_on_stop_signals()  # (until serve() puts the server's own handlers in place)
     # The workers inherit the environment: they log at the same level and format.

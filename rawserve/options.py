@@ -778,6 +778,15 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     )
 
 
+def set_by_note(flag: str, argv: Sequence[str] | None = None) -> str:
+    """The words " (set by RAWSERVE_X=...)" where `flag` is not on the command line
+    (`argv`, else sys.argv's) and its variable set it, for a refusal said after the
+    parse."""
+    parser = OneLineParser()
+    parser.given = list(sys.argv[1:] if argv is None else argv)
+    return parser._set_by(flag)
+
+
 def device_unservable(
     devices: Sequence[str] | None, torch_version: str | None = None
 ) -> str | None:

@@ -414,10 +414,7 @@ class HttpProtocol(asyncio.Protocol):
             self.conn.receive_data(data)
             if self.read_ahead > READ_AHEAD_LIMIT:
                 self._flow.pause_reading()
-                if self.reset_look is None:
-                    self.reset_look = self.loop.call_later(
-                        RESET_LOOK_SECONDS, self._look_for_a_reset
-                    )
+                self._watch_for_a_reset()
             return
         if self.phase is Phase.IDLE:
             data = data.lstrip(_EMPTY_LINE)
@@ -437,14 +434,18 @@ class HttpProtocol(asyncio.Protocol):
         except MemoryError as exc:  # its bytes cannot be held now: an answer, not a reset
             self._fail(as_http_error(exc))
 
-    def _look_for_a_reset(self) -> None:
+    def _watch_for_a_reset(self) -> None:
         """While reading is paused behind pipelined bytes, a client that leaves is not
         read: its FIN waits behind the bytes it still sends (nothing can see it), but a
         reset has reached the kernel, and is looked for each RESET_LOOK_SECONDS (a reset
         client's generation ran on to its end or its deadline, 120 s, for nobody)."""
+        if self.reset_look is None:
+            self.reset_look = self.loop.call_later(RESET_LOOK_SECONDS, self._look_for_a_reset)
+
+    def _look_for_a_reset(self) -> None:
         self.reset_look = None
-        if self.phase is not Phase.RESPONDING or not self._flow.read_paused:
-            return
+        if self.phase in (Phase.LINGER, Phase.CLOSED) or not self._flow.read_paused:
+            return  # (watched again where reading pauses behind a backlog again)
         if has_failed(self.socket_transport or self.transport):
             assert self.transport is not None
             self.transport.abort()  # (its loss withdraws the work, as a read reset does)
@@ -553,6 +554,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self.read_ahead <= READ_AHEAD_LIMIT:
             self._flow.resume_reading()
+        else:
+            self._watch_for_a_reset()
         self.handle_events()
 
     def _on_request(self, event: h11.Request) -> None:

@@ -364,7 +364,7 @@ def started_with_a_cpu_torch(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line():
+def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line(monkeypatch):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -372,7 +372,13 @@ def test_a_gpu_the_installed_torch_cannot_have_stops_the_start_with_one_line():
     assert started.returncode == 1
     [line] = [line for line in started.stderr.splitlines() if "ERROR" in line]
     assert "--device cuda:7: torch" in line and "is a build without CUDA" in line
+    assert line.endswith("serve with --device cpu")  # typed: no variable named
     assert "listening" not in started.stderr
+    monkeypatch.setenv("RAWSERVE_DEVICE", "cuda:7")  # (a deployment's, not typed)
+    started = started_with_a_cpu_torch("--port", str(port))
+    [line] = [line for line in started.stderr.splitlines() if "ERROR" in line]
+    assert line.endswith("serve with --device cpu (set by RAWSERVE_DEVICE='cuda:7')"), line
+    monkeypatch.delenv("RAWSERVE_DEVICE")
     # a download fills a cache for a GPU machine from one without (the README's way)
     downloaded = started_with_a_cpu_torch("--download-only", "--device", "cuda:7")
     assert downloaded.returncode == 0, downloaded.stderr[-2000:]

@@ -304,8 +304,12 @@ def test_a_blank_cache_dir_variable_is_read_as_unset(monkeypatch, tmp_path, blan
     monkeypatch.setenv("RAWSERVE_CACHE_DIR", blank)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert engine_trial.default_cache_dir() == tmp_path / "rawserve" / "onnx"
-    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", f" {tmp_path / 'mine'} ")
     assert engine_trial.default_cache_dir() == tmp_path / "mine" / "onnx"
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", blank)
+    monkeypatch.setenv("XDG_CACHE_HOME", blank)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert engine_trial.default_cache_dir() == tmp_path / ".cache" / "rawserve" / "onnx"
 
 
 def test_a_large_file_saved_again_in_place_changes_its_fingerprint(tmp_path):

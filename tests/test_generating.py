@@ -1283,15 +1283,28 @@ def test_a_grammar_compiles_while_the_rows_already_there_go_on(runner, monkeypat
     assert got[2].outputs[0] == static(runner, "a", held)
 
 
-def test_a_grammar_whose_compiling_runs_out_of_memory_fails_its_item_alone(runner, monkeypatch):
+PANIC = type("PanicException", (BaseException,), {"__module__": "pyo3_runtime"})
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "named"),
+    [
+        (MemoryError(), FailureKind.OUT_OF_MEMORY, "MemoryError"),
+        (PANIC("llguidance panicked"), FailureKind.INTERNAL, "LibraryPanic"),
+    ],
+    ids=["memory", "panic"],
+)
+def test_a_grammar_whose_compiling_fails_otherwise_fails_its_item_alone(
+    runner, monkeypatch, error, kind, named
+):
     """A grammar's compiling that raises anything but the client's ValueError (out of
-    memory: a grammar may grow to ~100 MB) fails its item alone, the model's fault, and
-    the rows beside it go on (it raised out of every step after: each failed every row
-    running, and it never left)."""
+    memory: a grammar may grow to ~100 MB; a library's panic, a BaseException) fails its
+    item alone, not the client's fault, and the rows beside it go on (it raised out of
+    every step after: each failed every row running, and it never left)."""
     from rawserve.worker.grammars import Grammars
 
     def out_of_memory(self, grammar):
-        raise MemoryError
+        raise error
 
     monkeypatch.setattr(Grammars, "_compile", out_of_memory)
     params = {**GREEDY, "max_new_tokens": 6}
@@ -1303,9 +1316,7 @@ def test_a_grammar_whose_compiling_runs_out_of_memory_fails_its_item_alone(runne
     assert answered[1].outputs[0] == static(runner, "the movie was", params)
     assert answered[3].outputs[0] == static(runner, "a good film", params)
     failed = answered[2].outputs[0]
-    assert failed == ItemFailure(
-        FailureKind.OUT_OF_MEMORY, "its grammar could not be compiled (MemoryError)"
-    )
+    assert failed == ItemFailure(kind, f"its grammar could not be compiled ({named})")
 
 
 def test_a_compiled_grammar_whose_askers_left_is_not_held_as_under_way(runner):

@@ -2373,6 +2373,86 @@ async def test_a_client_that_resets_behind_its_pipelined_backlog_has_its_work_wi
         await server.wait_closed()
 
 
+async def test_a_reset_behind_a_backlog_is_seen_where_quick_answers_came_first(monkeypatch):
+    """Pipelined requests answered at once before the slow one: reading paused for the
+    other connections' turn, and stayed paused behind the backlog with no look for a
+    reset (a reviewer: the slow one's work went on after the client's reset)."""
+    import struct
+
+    monkeypatch.setattr("rawserve.protocol.RESET_LOOK_SECONDS", 0.05)
+    loop = asyncio.get_running_loop()
+    cancelled, slow_started = asyncio.Event(), asyncio.Event()
+
+    class QuickThenHangingApp(FakeApp):
+        def answer_now(self, request):
+            return HttpResponse(404, b"{}") if request.path == "/fast" else None
+
+        async def handle(self, request):
+            if request.path == "/first":
+                await asyncio.sleep(0.3)
+                return HttpResponse(200, b"{}")
+            slow_started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    connections: list[HttpProtocol] = []
+
+    def protocol() -> HttpProtocol:
+        connections.append(HttpProtocol(QuickThenHangingApp(), ProtocolSettings(), loop=loop))
+        return connections[-1]
+
+    server = await loop.create_server(protocol, "127.0.0.1")
+    client = socket.socket()
+    client.setblocking(False)
+    drainer = None
+    try:
+        await loop.sock_connect(client, server.sockets[0].getsockname())
+        data = b"".join(
+            [
+                b"GET /first HTTP/1.1\r\nHost: a\r\n\r\n",
+                b"GET /fast HTTP/1.1\r\nHost: a\r\n\r\n" * 300,
+                b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n",
+                b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n" * 20_000,
+            ]
+        )
+        sent = 0
+        while sent < len(data):  # as much as the kernels take
+            try:
+                sent += client.send(data[sent : sent + 65536])
+            except BlockingIOError:
+                break
+            await asyncio.sleep(0)
+
+        async def read_answers() -> None:
+            with contextlib.suppress(OSError):
+                while await loop.sock_recv(client, 65536):
+                    pass
+
+        drainer = asyncio.ensure_future(read_answers())
+        await asyncio.wait_for(slow_started.wait(), 5)
+        await asyncio.sleep(0.3)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        drainer.cancel()
+        await asyncio.sleep(0)
+        client.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(cancelled.wait(), 3)
+        assert cancelled.is_set()
+    finally:
+        if drainer is not None:
+            drainer.cancel()
+        client.close()
+        for connection in connections:
+            if connection.transport is not None:
+                connection.transport.abort()
+        await asyncio.sleep(0)
+        server.close()
+        await server.wait_closed()
+
+
 def test_the_chunk_meter_counts_every_byte_sent_and_tiny_chunks_at_a_minimum():
     body = b"5;name=value\r\nhello\r\n0\r\nTrailer: x\r\n\r\n"
     meter = ChunkedMeter(limit=1000)

@@ -997,7 +997,8 @@ class WorkerPool(PoolReports):
                 # (else ready, then each batch as large killed as hung: 500s and restarts)
                 log.warning(
                     "worker %s: its warm-up batch took %.2f s, longer than --batch-timeout "
-                    "(%g s): batches as large will be killed as hung; raise --batch-timeout",
+                    "(%g s): every batch that runs as long is killed as hung; raise "
+                    "--batch-timeout",
                     worker.label,
                     warmed,
                     self.batch_timeout,

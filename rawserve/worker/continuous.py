@@ -45,6 +45,7 @@ from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import constrain
 from rawserve.worker.kv_slots import KvSlots
+from rawserve.worker.library_panics import panics_as_errors
 from rawserve.worker.prefill_graphs import (
     MAX_PREFILL_TOKENS,
     MIN_PREFILL_TOKENS,
@@ -422,7 +423,8 @@ class ContinuousBatcher:
             if generation.compiling is None or not generation.compiling.ready:
                 continue
             try:
-                generation.grammar = generation.compiling.held()
+                with panics_as_errors():  # (the compiling thread's library panic too)
+                    generation.grammar = generation.compiling.held()
             except ValueError as exc:
                 generation.fail(str(exc))
             except Exception as exc:  # noqa: BLE001 - not the client's: it fails alone too

@@ -234,12 +234,13 @@ def default_cache_dir() -> Path:
     """$RAWSERVE_CACHE_DIR/onnx, else under $XDG_CACHE_HOME or ~/.cache. A user with no
     home (HOME unset and no entry in the password database, as an arbitrary container
     uid has) gets `/` as home, as Docker gives one: a cache there that cannot be written
-    is logged, never a failed start. Blank, it is unset, as every RAWSERVE_* variable
-    is (a folder named " " was made in the working directory)."""
-    configured = os.environ.get("RAWSERVE_CACHE_DIR")
-    if configured and configured.strip():
+    is logged, never a failed start. Blank, it is unset, and blanks around it are no
+    part of it, as for every RAWSERVE_* variable (a folder named " " was made in the
+    working directory)."""
+    configured = os.environ.get("RAWSERVE_CACHE_DIR", "").strip()  # (" /x ": a folder " ")
+    if configured:
         return Path(configured) / "onnx"
-    base = os.environ.get("XDG_CACHE_HOME") or str(home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or str(home() / ".cache")
     return Path(base) / "rawserve" / "onnx"
 
 
