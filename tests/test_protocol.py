@@ -2313,111 +2313,53 @@ async def test_a_pipelining_client_gets_no_more_read_ahead_per_answer(server):
     assert buffered <= READ_AHEAD_LIMIT + len(request) * 100
 
 
-@pytest.mark.parametrize("leaving", ["reset", "stays"])
-async def test_a_client_that_resets_behind_its_pipelined_backlog_has_its_work_withdrawn(
-    monkeypatch, leaving
-):
-    """Past READ_AHEAD_LIMIT pipelined bytes, reading pauses, and a reset by the client is
-    read no more: its request's work ran on to its end (a generation to its deadline,
-    120 s) for nobody. The kernel holds the reset: it is looked for while paused."""
-    import struct
+class Hanging(FakeApp):
+    """`/first` answered after 0.3 s, `/fast` at once, any other path never: `cancelled`
+    is set once that one's work is withdrawn."""
 
-    monkeypatch.setattr("rawserve.protocol.RESET_LOOK_SECONDS", 0.05)
+    def __init__(self):
+        self.cancelled, self.started = asyncio.Event(), asyncio.Event()
+
+    def answer_now(self, request):
+        return HttpResponse(404, b"{}") if request.path == "/fast" else None
+
+    async def handle(self, request):
+        if request.path == "/first":
+            await asyncio.sleep(0.3)
+            return HttpResponse(200, b"{}")
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@contextlib.asynccontextmanager
+async def pipelining(app: FakeApp, before: bytes):
+    """A real loopback connection that sends `before`, then as many pipelined requests
+    as the kernels take (reading on the server pauses behind them), and reads answers;
+    its client socket."""
     loop = asyncio.get_running_loop()
-    cancelled = asyncio.Event()
-
-    class HangingApp(FakeApp):
-        async def handle(self, request):
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-
     connections: list[HttpProtocol] = []
 
     def protocol() -> HttpProtocol:
-        connections.append(HttpProtocol(HangingApp(), ProtocolSettings(), loop=loop))
+        connections.append(HttpProtocol(app, ProtocolSettings(), loop=loop))
         return connections[-1]
 
     server = await loop.create_server(protocol, "127.0.0.1")
     client = socket.socket()
     client.setblocking(False)
+
+    async def read_answers() -> None:
+        with contextlib.suppress(OSError):
+            while await loop.sock_recv(client, 65536):
+                pass
+
+    reader = None
     try:
         await loop.sock_connect(client, server.sockets[0].getsockname())
-        backlog = b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n" * 20_000
-        client.send(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
-        await asyncio.sleep(0.1)  # /slow runs
-        sent = 0
-        while sent < len(backlog):  # as much as the kernels take
-            try:
-                sent += client.send(backlog[sent : sent + 65536])
-            except BlockingIOError:
-                break
-            await asyncio.sleep(0)
-        assert sent > 2 * READ_AHEAD_LIMIT
-        await asyncio.sleep(0.2)  # the server reads some, and pauses
-        if leaving == "reset":
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            client.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(cancelled.wait(), 5 if leaving == "reset" else 0.5)
-        assert cancelled.is_set() == (leaving == "reset")  # (one that stays is served on)
-    finally:
-        client.close()
-        for connection in connections:
-            if connection.transport is not None:
-                connection.transport.abort()
-        await asyncio.sleep(0)
-        server.close()
-        await server.wait_closed()
-
-
-async def test_a_reset_behind_a_backlog_is_seen_where_quick_answers_came_first(monkeypatch):
-    """Pipelined requests answered at once before the slow one: reading paused for the
-    other connections' turn, and stayed paused behind the backlog with no look for a
-    reset (a reviewer: the slow one's work went on after the client's reset)."""
-    import struct
-
-    monkeypatch.setattr("rawserve.protocol.RESET_LOOK_SECONDS", 0.05)
-    loop = asyncio.get_running_loop()
-    cancelled, slow_started = asyncio.Event(), asyncio.Event()
-
-    class QuickThenHangingApp(FakeApp):
-        def answer_now(self, request):
-            return HttpResponse(404, b"{}") if request.path == "/fast" else None
-
-        async def handle(self, request):
-            if request.path == "/first":
-                await asyncio.sleep(0.3)
-                return HttpResponse(200, b"{}")
-            slow_started.set()
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-
-    connections: list[HttpProtocol] = []
-
-    def protocol() -> HttpProtocol:
-        connections.append(HttpProtocol(QuickThenHangingApp(), ProtocolSettings(), loop=loop))
-        return connections[-1]
-
-    server = await loop.create_server(protocol, "127.0.0.1")
-    client = socket.socket()
-    client.setblocking(False)
-    drainer = None
-    try:
-        await loop.sock_connect(client, server.sockets[0].getsockname())
-        data = b"".join(
-            [
-                b"GET /first HTTP/1.1\r\nHost: a\r\n\r\n",
-                b"GET /fast HTTP/1.1\r\nHost: a\r\n\r\n" * 300,
-                b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n",
-                b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n" * 20_000,
-            ]
-        )
+        data = before + b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n" * 20_000
         sent = 0
         while sent < len(data):  # as much as the kernels take
             try:
@@ -2425,25 +2367,12 @@ async def test_a_reset_behind_a_backlog_is_seen_where_quick_answers_came_first(m
             except BlockingIOError:
                 break
             await asyncio.sleep(0)
-
-        async def read_answers() -> None:
-            with contextlib.suppress(OSError):
-                while await loop.sock_recv(client, 65536):
-                    pass
-
-        drainer = asyncio.ensure_future(read_answers())
-        await asyncio.wait_for(slow_started.wait(), 5)
-        await asyncio.sleep(0.3)
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        drainer.cancel()
-        await asyncio.sleep(0)
-        client.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(cancelled.wait(), 3)
-        assert cancelled.is_set()
+        assert sent > len(before) + 2 * READ_AHEAD_LIMIT
+        reader = asyncio.ensure_future(read_answers())
+        yield client
     finally:
-        if drainer is not None:
-            drainer.cancel()
+        if reader is not None:
+            reader.cancel()
         client.close()
         for connection in connections:
             if connection.transport is not None:
@@ -2451,6 +2380,38 @@ async def test_a_reset_behind_a_backlog_is_seen_where_quick_answers_came_first(m
         await asyncio.sleep(0)
         server.close()
         await server.wait_closed()
+
+
+def reset(client: socket.socket) -> None:
+    """Close `client` with a reset (SO_LINGER 0), as a client that gives up may."""
+    import struct
+
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+
+
+@pytest.mark.parametrize("quick", [0, 300], ids=["alone", "after-quick-answers"])
+@pytest.mark.parametrize("leaving", ["reset", "stays"])
+async def test_a_client_that_resets_behind_its_pipelined_backlog_has_its_work_withdrawn(
+    monkeypatch, leaving, quick
+):
+    """Past READ_AHEAD_LIMIT pipelined bytes, reading pauses, and a reset by the client is
+    read no more: its request's work ran on to its end (a generation to its deadline,
+    120 s) for nobody. The kernel holds the reset: it is looked for while reading stays
+    paused, after requests answered at once too (a reviewer: reading paused for the other
+    connections' turn stayed paused behind the backlog, and none looked)."""
+    monkeypatch.setattr("rawserve.protocol.RESET_LOOK_SECONDS", 0.05)
+    app = Hanging()
+    before = b"GET /first HTTP/1.1\r\nHost: a\r\n\r\n" if quick else b""
+    before += b"GET /fast HTTP/1.1\r\nHost: a\r\n\r\n" * quick
+    async with pipelining(app, before + b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n") as client:
+        await asyncio.wait_for(app.started.wait(), 5)
+        await asyncio.sleep(0.3)  # the server reads some, and pauses
+        if leaving == "reset":
+            reset(client)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(app.cancelled.wait(), 3 if leaving == "reset" else 0.5)
+        assert app.cancelled.is_set() == (leaving == "reset")  # (one that stays: served on)
 
 
 def test_the_chunk_meter_counts_every_byte_sent_and_tiny_chunks_at_a_minimum():
