@@ -386,3 +386,11 @@ def test_four_900kb_tokenize_bodies_at_once_cost_the_server_little(tiny_model):
         peak, after = memory_kib(pid, "VmHWM"), memory_kib(pid, "VmRSS")
         assert peak - start <= 100 * 1024, (start, peak)
         assert after - start <= 20 * 1024, (start, after)
+
+
+def test_tokenize_of_a_model_of_huge_positions_bounds_a_lists_texts(tokenizer_json):
+    """/tokenize's bound of a list's texts is MAX_TOKENIZE_TOKENS however many positions
+    the model names (a memory bound)."""
+    app = app_for("feature-extraction", tokenizer_json, {"max_input_length": 10**7})
+    status, body = post(app, "/tokenize", {"inputs": ["a " * (MAX_TOKENIZE_TOKENS + 1), "b"]})
+    assert status == 422 and f"more than {MAX_TOKENIZE_TOKENS} tokens" in body["error"], body

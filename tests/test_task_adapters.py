@@ -3269,3 +3269,28 @@ def test_every_worker_makes_the_same_random_head_and_leaves_the_generator_as_it_
         heads.append({name: weights[name].clone() for name in runner.untrained.tensors})
     assert heads[0].keys() == heads[1].keys()
     assert all(torch.equal(heads[0][name], heads[1][name]) for name in heads[0])
+
+
+def test_a_classifiers_logits_cut_a_long_text_on_the_side_asked(runner):
+    """TEI's truncation_direction reaches /predict's and /rerank's logits (the
+    classification pipeline), not only the embedding runner's: left kept the start."""
+    serving = runner("text-classification")
+    text = "paris is lovely " * 60 + "the movie was terrible and boring " * 20
+    cut = {LOGITS_PARAM: True, "truncate": True}
+    [left] = serving.run([text], {**cut, "truncation_direction": "left"})
+    [right] = serving.run([text], {**cut, "truncation_direction": "right"})
+    [start] = serving.run(["paris is lovely " * 60], {**cut, "truncation_direction": "right"})
+    assert not np.allclose(left, right)
+    np.testing.assert_allclose(right, start, atol=1e-5)  # the start kept, as asked
+
+
+def test_a_seq2seq_max_length_of_its_positions_plus_one_is_taken(runner):
+    """A seq2seq max_length counts the decoder's start token: positions + 1 is the most
+    it takes (as max_new_tokens takes the positions)."""
+    summarize = runner("seq2seq", "summarization")
+    positions = summarize.model.config.max_position_embeddings
+    [answer] = summarize.run(["the movie was good"], {"max_length": positions + 1, "num_beams": 1})
+    assert "summary_text" in answer
+    refused = f"max_length {positions + 2} is over this model's limit of {positions + 1}"
+    with pytest.raises(ValueError, match=refused):
+        summarize.run(["the movie was good"], {"max_length": positions + 2})
