@@ -85,13 +85,17 @@ def streamed(prompt: str, tokens: int) -> str:
     return json.dumps(document)
 
 
-def start_stream(server: RunningServer, prompt: str, tokens: int) -> socket.socket:
-    """A stream whose first bytes have arrived (the sequence is running)."""
+def start_stream(
+    server: RunningServer, prompt: str, tokens: int, deadline: float | None = None
+) -> socket.socket:
+    """A stream whose first bytes have arrived (the sequence is running); `deadline`:
+    its X-Request-Timeout, if any."""
     body = streamed(prompt, tokens).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    asked = f"X-Request-Timeout: {deadline:g}\r\n" if deadline else ""
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + f"{asked}Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")
@@ -301,11 +305,11 @@ def test_the_batch_timeout_kills_a_hung_worker_not_a_long_generation(watched_ser
     timeout (1 s) tells a worker that stopped finishing passes from one that runs a long
     generation, streamed or not, and kills only the first."""
     server = watched_server
-
-    status, answer = complete(server, "the movie was", LONG)
+    # (deadlines far off: a busy machine took the default 30 s for the stream, a 504)
+    status, answer = complete(server, "the movie was", LONG, **{"X-Request-Timeout": "300"})
     assert status == 200, answer
     assert answer["usage"]["completion_tokens"] == LONG
-    with start_stream(server, "the movie was", LONG) as sock:
+    with start_stream(server, "the movie was", LONG, deadline=300) as sock:
         sock.settimeout(60)
         received = b""
         while not received.endswith(b"0\r\n\r\n"):
