@@ -122,8 +122,7 @@ def test_a_suspect_of_a_crashed_batch_is_held_to_run_alone_and_counts_only_its_c
     suspect: held (to run alone), not quarantined, counted for nothing; its first crash
     alone is remembered as a first run's is (two outside kills never make it poison, a
     third crash alone quarantines it), and answered alone it is forgotten, as an input
-    whose one crash alone is remembered is (and one counted:
-    `test_an_input_answered_alone_is_forgotten_whatever_its_crashes_counted`)."""
+    whose one crash alone is remembered is (an input counted stays)."""
     sup, _ = supervisor()
     key, mate = PoisonMemory.key("crash me", {}), PoisonMemory.key("mate", {})
     assert sup.remembered(["crash me", "mate"], {}) == [None, None]
@@ -136,29 +135,14 @@ def test_a_suspect_of_a_crashed_batch_is_held_to_run_alone_and_counts_only_its_c
     sup.poison.suspect(key)  # in a crashed batch again: what it had stays
     assert sup.lost(Held(first_key=key)) is LostBatch.RETRY_ALONE
     assert not sup.is_poison("crash me", {}) and sup.poison.times(key) == 2
-    assert sup.lost(Held(first_key=key)) is LostBatch.QUARANTINED
     sup.poison.cleared(mate)  # answered alone: forgotten
+    sup.poison.cleared(key)  # counted: it stays
     assert sup.remembered(["crash me", "mate"], {}) == [key, None]
+    assert sup.lost(Held(first_key=key)) is LostBatch.QUARANTINED
     once = PoisonMemory.key("once", {})
     assert sup.lost(Held(first_key=once)) is LostBatch.RETRY_ALONE
     sup.poison.cleared(once)  # one crash alone, then answered alone: forgotten
     assert sup.remembered(["once"], {}) == [None]
-
-
-def test_an_input_answered_alone_is_forgotten_whatever_its_crashes_counted():
-    """A poison input crashes its worker each time it runs alone: one answered alone is
-    not, and its counted crashes go. Kept, outside kills on sends of an innocent prompt
-    streamed (each send's first run, counted from the second) refused it at the third,
-    however many answers came between them."""
-    sup, _ = supervisor()
-    key = PoisonMemory.key("probe", {})
-    for _ in range(3):  # killed twice in a row (counted once), then answered alone
-        assert sup.lost(Held(True, first_key=key)) is LostBatch.FAIL_MID_STREAM
-        assert sup.lost(Held(True, first_key=key)) is LostBatch.FAIL_MID_STREAM
-        assert sup.poison.times(key) == 2 and sup.poison.runs_alone_anywhere(key)
-        sup.poison.cleared(key)
-        assert not sup.poison.holds(key)
-    assert not sup.is_poison("probe", {})
 
 
 def test_an_input_runs_alone_anywhere_once_it_crashed_alone_or_was_in_two_crashed_batches():

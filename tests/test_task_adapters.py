@@ -3273,7 +3273,8 @@ def test_every_worker_makes_the_same_random_head_and_leaves_the_generator_as_it_
 
 def test_a_classifiers_logits_cut_a_long_text_on_the_side_asked(runner):
     """TEI's truncation_direction reaches /predict's and /rerank's logits (the
-    classification pipeline), not only the embedding runner's: left kept the start."""
+    classification pipeline), not only the embedding runner's: left keeps the end, right
+    the start (dropped, left kept the start too)."""
     serving = runner("text-classification")
     text = "paris is lovely " * 60 + "the movie was terrible and boring " * 20
     cut = {LOGITS_PARAM: True, "truncate": True}
