@@ -450,7 +450,7 @@ class HttpProtocol(asyncio.Protocol):
             assert self.transport is not None
             self.transport.abort()  # (its loss withdraws the work, as a read reset does)
             return
-        self.reset_look = self.loop.call_later(RESET_LOOK_SECONDS, self._look_for_a_reset)
+        self._watch_for_a_reset()
 
     def eof_received(self) -> bool | None:
         self.eof_seen = True
