@@ -34,6 +34,7 @@ from rawserve.models.hub import (
     explain,
     fetched,
     files_to_skip,
+    resolve_model,
 )
 from rawserve.models.hub_integrity import hashes_to_its_name
 from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
@@ -452,6 +453,20 @@ def test_a_missing_folder_is_one_line(tmp_path, name):
     `is_dir`: a 24-line traceback at start instead of the line."""
     line = one_error_line(run_resolve(str(tmp_path / name), tmp_path))
     assert "no model folder" in line
+
+
+def test_a_folder_given_a_revision_is_told_revisions_are_for_hub_ids(tmp_path, monkeypatch):
+    """`./model@main` (a local folder with a revision) said only that there was no such
+    folder, though the folder was right there; a folder whose name holds an '@' is still
+    served."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "odd@name").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFound, match=r"\./model is a folder, and a revision"):
+        resolve_model(parse_model_spec("./model@main"))
+    assert resolve_model(parse_model_spec("./odd@name")).folder == tmp_path / "odd@name"
+    with pytest.raises(ModelNotFound, match="^no model folder ./elsewhere@main$"):
+        resolve_model(parse_model_spec("./elsewhere@main"))
 
 
 @pytest.mark.parametrize(

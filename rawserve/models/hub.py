@@ -138,6 +138,12 @@ def resolve_folder(spec: ModelSpec) -> ResolvedModel:
     if spec.revision:
         raise ModelNotFound(f"{spec.source} is a folder: a revision applies to Hub ids only")
     if not is_folder(spec.source):
+        folder, at, _ = spec.source.rpartition("@")
+        if at and is_folder(folder):  # (a folder's name may hold an '@': read whole first)
+            raise ModelNotFound(
+                f"no model folder {spec.source}: {folder} is a folder, and a revision "
+                "('@...') applies to Hub ids only"
+            )
         raise ModelNotFound(f"no model folder {spec.source}")
     return ResolvedModel(spec, Path(spec.source).expanduser().resolve())
 
