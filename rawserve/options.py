@@ -76,6 +76,9 @@ MAX_WHOLE_NUMBER = 2**53
 # 116 days (--timeout 1e308 was taken, and the scheduler's budget of tokens for a deadline
 # came to infinity: every request after the first two 500)
 MAX_TIME = 10**7
+# the shortest silence a stream's keep-alive comment may end: a comment is to keep idle
+# proxies from closing the stream, which none does within a tenth of a second
+MIN_STREAM_KEEPALIVE = 0.1
 # --handler: a module the worker imports, and the factory in it (`handler` if not named)
 HANDLER_SPEC = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:([^\W\d]\w*)?)?")
 ENV_TRUE = ("1", "true", "yes", "on")
@@ -270,7 +273,8 @@ OPTIONS = [
         "--stream-keepalive",
         float,
         15.0,
-        "seconds a stream may stay silent before it is sent a `: keep-alive` comment (0: never)",
+        "seconds a stream may stay silent before it is sent a `: keep-alive` comment, at "
+        "least 0.1 (0: never)",
     ),
     Option("--keepalive-timeout", float, 5.0, "seconds an idle keep-alive connection stays open"),
     Option("--head-timeout", float, 10.0, "seconds to receive a request's head; beyond: 408"),
@@ -860,8 +864,12 @@ def check_values(
     for name in ("keepalive_timeout", "head_timeout", "body_timeout", "write_timeout"):
         if getattr(args, name) <= 0:  # (one message for the four blamed a variable set well)
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.stream_keepalive < 0:
-        parser.error("--stream-keepalive must not be negative (0: no keep-alive comments)")
+    if args.stream_keepalive != 0 and not args.stream_keepalive >= MIN_STREAM_KEEPALIVE:
+        # (0.001 sent each stream a thousand comments a second)
+        parser.error(
+            f"--stream-keepalive must be 0 (no keep-alive comments) or at least "
+            f"{MIN_STREAM_KEEPALIVE} seconds"
+        )
     if args.generation not in ("continuous", "static"):
         parser.error("--generation must be continuous or static")
     if args.join_wait_steps < 0:
