@@ -621,7 +621,7 @@ class CausalLMRunner(Runner):
             so_far.append(token_id)
             logprob = chosen[index - 1] if index else None  # nothing before the first
             alternatives = (top[index - 1] if index else []) if top_n else None
-            token = tgi_token(self.tokenizer, self.special_ids, token_id, "", logprob, alternatives)
+            token = tgi_token(self.tokenizer, self.special_ids, token_id, logprob, alternatives)
             tokens += held.add(token, pieces.next_pieces(so_far, last=index == len(ids) - 1))
         return tokens
 
@@ -675,12 +675,12 @@ class CausalLMRunner(Runner):
     def token(
         self,
         token_id: int,
-        piece: str,
         logprob: float,
         top: list[tuple[int, float]] | None = None,
     ) -> dict[str, Any]:
-        """A sequence's new token in TGI's shape (streamed, or listed in details)."""
-        return tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob, top)
+        """A sequence's new token in TGI's shape (streamed, or listed in details), its
+        text filled in once it is known (`HeldTokens`)."""
+        return tgi_token(self.tokenizer, self.special_ids, token_id, logprob, top)
 
     def finished(
         self,

@@ -177,7 +177,6 @@ class TokenWatcher(transformers.StoppingCriteria):
                     self.tokenizer,
                     self.special_ids,
                     token_id,
-                    "",  # (its text once it is known: `HeldTokens`)
                     logprob,
                     top[row] if top is not None else None,
                 )
@@ -211,7 +210,6 @@ def tgi_token(
     tokenizer: Any,
     special_ids: set[int],
     token_id: int,
-    piece: str,
     logprob: float | None,
     top: list[tuple[int, float]] | None = None,
 ) -> dict[str, Any]:
@@ -221,13 +219,12 @@ def tgi_token(
     (each token's own text as it reads after a word, `alternative_text`: an alternative
     has no place in the running text).
 
-    A special token's text starts with its `piece` where it has one (what the text held
-    back until it came, where `TextPieces.next_pieces` cannot share it out among the
-    tokens before it); else the tokens' texts would lose what the text keeps."""
+    Its text is filled in once it is known (`HeldTokens`): here only a special token's
+    own."""
     special = token_id in special_ids
     token: dict[str, Any] = {
         "id": token_id,
-        "text": piece + tokenizer.decode([token_id]) if special else piece,
+        "text": tokenizer.decode([token_id]) if special else "",
         "logprob": logprob,
         "special": special,
     }

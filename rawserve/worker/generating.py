@@ -362,7 +362,7 @@ class GenerationLoop:
             return
         batch_id, index = generation.key
         opened = self.open[batch_id]
-        token = self.runner.token(token_id, "", generation.logprobs[-1], generation.top)
+        token = self.runner.token(token_id, generation.logprobs[-1], generation.top)
         let_out = opened.held[index].add(token, pieces)
         stream_id = opened.batch.control.stream_id
         if stream_id is None:
