@@ -3164,11 +3164,30 @@ def test_rows_lowered_below_those_running_let_none_join_until_they_leave(runner)
     for index in range(3):
         batcher.add(Generation(("running", index), ids, 5))
     batcher.step()
-    batcher.max_rows = 1
+    batcher.cap_rows(1)
     for index in range(4):
         batcher.add(Generation(("waiting", index), ids, 5))
     batcher.step()
     assert (len(batcher.rows), len(batcher.waiting)) == (3, 4)
+
+
+def test_a_lowered_cap_sizes_the_caches_buffers_made_before_it(runner):
+    """The cache's buffers made when a step ran out of memory (before its cap was
+    lowered) kept the old cap: they grew past the new one, toward the size that had
+    just run out of memory."""
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+
+    batcher = ContinuousBatcher(runner.model, runner.tokenizer, runner.max_positions, 8)
+    ids = runner.tokenizer("the movie was")["input_ids"]
+    for index in range(2):
+        batcher.add(Generation(("running", index), ids, 20))
+    batcher.step()
+    assert batcher._slots.capacity[0] == 2
+    batcher.cap_rows(3)
+    batcher.add(Generation(("joining", 0), ids, 20))
+    batcher.step()
+    assert len(batcher.rows) == 3
+    assert batcher._slots.capacity[0] == 3  # (doubled, it would be 4)
 
 
 def test_prompts_joining_together_are_prefilled_by_length_not_padded_to_the_longest():

@@ -555,6 +555,11 @@ class ContinuousBatcher:
                 generation.joins_at_most = at_most
         self.waiting = [*generations, *self.waiting]
 
+    def cap_rows(self, rows: int) -> None:
+        """At most `rows` sequences at a time from now, in the cache's buffers too: a
+        cap lowered after running out of memory sizes the next ones."""
+        self.max_rows = self._slots.max_rows = rows
+
     def _new_slots(self) -> KvSlots:
         return KvSlots(
             self.device,

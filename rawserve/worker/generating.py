@@ -256,7 +256,7 @@ class GenerationLoop:
     # --- steps ------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        self.batcher.max_rows = self.cap.limit or self.rows
+        self.batcher.cap_rows(self.cap.limit or self.rows)
         self.times.step_begins()
         try:
             with panics_as_errors():
