@@ -205,7 +205,7 @@ async def test_a_poison_item_fails_alone_and_is_refused_afterwards(faulty_execut
     assert crashes and all("(request req-poison)" in r.getMessage() for r in crashes)
     assert all(getattr(r, "request_id", None) == "req-poison" for r in crashes)
     said = " ".join(r.getMessage() for r in crashes)  # (it said "1 times now")
-    assert "(1 time now); running it alone once more (quarantined at 2)" in said, said
+    assert "(1 time now; running it alone once more; quarantined at 2)" in said, said
     [first] = [r for r in caplog.records if "holding a batch of 3" in r.getMessage()]
     assert "(request req-a, req-poison, req-b)" in first.getMessage()
     await idle(faulty_executor)

@@ -1175,16 +1175,7 @@ class WorkerPool(PoolReports):
             self._retry_alone(job, home_of(worker), died_with=died_with)
         elif lost is LostBatch.RUN_AGAIN_ALONE:
             assert job.poison_key is not None  # (it ran alone again)
-            times = self.poison.times(job.poison_key)
-            log.warning(
-                "worker %s: an input running alone crashed the worker%s (%s now); "
-                "running it alone once more (quarantined at %d)",
-                worker.label,
-                job_requests(job),
-                times_said(times),
-                times + self.poison.left(job.poison_key),
-                extra=request_named(job),
-            )
+            self._say_crashed_alone(worker, job, job.poison_key, "running it alone once more; ")
             home = home_of(worker)
             again = replace(job, watchdog=None, rerun=True, home=home, died_with=died_with)
             self._retries.append(again)
@@ -1198,17 +1189,20 @@ class WorkerPool(PoolReports):
         """Say a first run's crash alone where it counted (its input's first is remembered
         only): the count toward its quarantine, which no run again may say."""
         key = lone_key(job)
-        times = self.poison.times(key)
         if self.poison.left(key) < self.poison.strikes:
-            log.warning(
-                "worker %s: an input running alone crashed the worker%s (%s now; "
-                "quarantined at %d)",
-                worker.label,
-                job_requests(job),
-                times_said(times),
-                times + self.poison.left(key),
-                extra=request_named(job),
-            )
+            self._say_crashed_alone(worker, job, key)
+
+    def _say_crashed_alone(self, worker: WorkerHandle, job: Job, key: str, then: str = "") -> None:
+        times = self.poison.times(key)
+        log.warning(
+            "worker %s: an input running alone crashed the worker%s (%s now; %squarantined at %d)",
+            worker.label,
+            job_requests(job),
+            times_said(times),
+            then,
+            times + self.poison.left(key),
+            extra=request_named(job),
+        )
 
     def _say_quarantined(self, worker: WorkerHandle, job: Job, how: str) -> None:
         log.error(
