@@ -236,6 +236,11 @@ def test_chat_messages_keep_text_only():
         assert sent["tool_calls"][0]["function"]["arguments"] == {}
     with pytest.raises(BadRequest, match="only an assistant's message has tool calls"):
         messages([{"role": "user", "content": "x", "tool_calls": [call]}])
+    # the older form is named as it was sent (it was blamed on tool_calls, never sent)
+    older = {"role": "user", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(BadRequest, match="only an assistant's message has a function call") as e:
+        messages([older])
+    assert e.value.param == "messages[0].function_call"
     with pytest.raises(BadRequest, match="each tool call must be"):
         messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}])
 
@@ -291,6 +296,9 @@ def test_an_answer_sent_back_as_openais_sdk_dumps_it_is_its_text():
     dumped |= {"audio": None, "function_call": None, "tool_calls": None}
     assert messages([dumped]) == [{"role": "assistant", "content": "yo"}]
     refused = {**dumped, "content": None, "refusal": "I cannot help with that"}
+    assert messages([refused]) == [{"role": "assistant", "content": "I cannot help with that"}]
+    # an empty content beside the refusal (as some clients send it) is the refusal too
+    refused = {**dumped, "content": "", "refusal": "I cannot help with that"}
     assert messages([refused]) == [{"role": "assistant", "content": "I cannot help with that"}]
     parts = {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
     assert messages([parts]) == [{"role": "assistant", "content": "no"}]
@@ -1043,11 +1051,16 @@ def test_teis_embed_routes_take_token_ids_as_the_models_input(path):
         ({"inputs": [[2, 9], 3]}, 400, "a non-empty list of texts and lists of token ids"),
         ({"inputs": [[2, 9], " "]}, 422, 'a text of "inputs" at index 1 is empty'),
         ({"inputs": "  "}, 422, 'a text of "inputs" is empty'),
-        ({"inputs": [2, 9], "prompt_name": "doc"}, 400, "'doc' is not a prompt of this model"),
+        # (tei-client's `prompt_names()` reads the list out of TEI's words)
+        (
+            {"inputs": [2, 9], "prompt_name": "doc"},
+            400,
+            '\'doc\' is not a prompt of this model. Available prompts: ["passage", "query"]',
+        ),
     ],
 )
 def test_teis_embed_routes_refuse_token_ids_the_model_cannot_read(path, document, status, message):
-    details = {"prompts": {"query": "query: "}, "vocabulary": 30}
+    details = {"prompts": {"query": "query: ", "passage": "passage: "}, "vocabulary": 30}
     answer, sent = embeddings_of(document, details, path)
     assert (answer.status, sent) == (status, []), answer.body
     assert message in json.loads(answer.body)["error"]
@@ -1912,6 +1925,19 @@ def test_new_tokens_log_probabilities_past_the_answer_bound_are_413_before_the_m
     assert generated(path, body(10_000), 131_072)[0] == 200
 
 
+def test_the_chosen_token_counts_among_its_listed_alternatives_in_the_answer_bound():
+    """Each new token lists its `logprobs` alternatives and itself among them: counted
+    without it, `logprobs: 1` was half the answer's size, queued where it cannot fit."""
+    from rawserve.api.prompts import LISTED_BYTES
+
+    app = app_for(
+        "text-generation", {"max_input_length": 64}, max_answer_bytes=10 * LISTED_BYTES + 1
+    )
+    document = {"prompt": [1, 2], "max_tokens": 10, "logprobs": 1}
+    status, body = post(app, "/v1/completions", document)
+    assert (status, body["error"]["param"]) == (413, "max_tokens"), body
+
+
 @pytest.mark.parametrize(
     ("path", "document", "listed"),
     [
@@ -2426,6 +2452,19 @@ def test_a_prompt_past_the_context_length_is_422_naming_its_field(path, document
     assert error["code"] == "context_length_exceeded", error
 
 
+def test_a_prompt_past_the_positions_asking_min_tokens_is_422_context_length_exceeded():
+    """The prompt's own length is checked first: a prompt past the context that also
+    asked `min_tokens` was blamed on min_tokens (400), not the code clients act on."""
+    app = app_for("text-generation", {"max_input_length": 16})
+    document = {"prompt": [1] * 20, "max_tokens": 5, "min_tokens": 3}
+    status, body = post(app, "/v1/completions", document)
+    assert status == 422, body
+    assert (body["error"]["param"], body["error"]["code"]) == (
+        "prompt",
+        "context_length_exceeded",
+    ), body
+
+
 class NoRoomForMinTokens(Idle):
     """A text-generation model whose worker refuses min_tokens past the prompt's room."""
 
@@ -2484,6 +2523,9 @@ UNPLACED = "the chat holds '</s>', a control token of the chat template that thi
 REFUSED = "the chat template refused the messages: roles must alternate"
 PAST = "the prompt is longer than the model's context length"
 CHAT_PATH = "/v1/chat/completions"
+GRAMMAR = "the grammar cannot be used: the schema holds a keyword the grammar cannot take"
+TEXT_FORM = {"type": "json_schema", "name": "a", "schema": {"type": "object"}}
+JSON_FORM = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
 
 
 @pytest.mark.parametrize(
@@ -2504,6 +2546,9 @@ CHAT_PATH = "/v1/chat/completions"
         ("/v1/responses", {"input": "hi"}, REFUSED, "input"),
         ("/v1/responses", {"input": "hi"}, PAST, "input"),
         ("/v1/completions", {"prompt": "hi"}, UNREADABLE, None),  # not a chat's
+        # a grammar the worker cannot follow is the field that asked for it
+        (CHAT_PATH, {"messages": HI, "response_format": JSON_FORM}, GRAMMAR, "response_format"),
+        ("/v1/responses", {"input": "hi", "text": {"format": TEXT_FORM}}, GRAMMAR, "text.format"),
     ],
 )
 def test_a_chat_the_worker_refuses_for_its_template_is_422_naming_its_field(

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from rawserve.api.openai_tools import (
+    MAX_TOOLS,
     NO_ARGUMENTS,
     WORDS,
     StreamedWords,
@@ -118,17 +119,50 @@ def test_a_tool_choice_names_a_function_as_openai_or_tgi_writes_it():
     assert chat_tools([WEATHER], "weather") == Tools([WEATHER], "weather")
     with pytest.raises(BadRequest, match='"tool_choice" names rain, which is not among'):
         chat_tools([WEATHER], read_tool_choice("tool_choice", "rain", None))
-    for refused in ("", 3, {"type": "file_search"}):
+    # (an empty name forced no function: it was read as "auto")
+    empty = {"type": "function", "function": {"name": ""}}
+    for refused in ("", 3, {"type": "file_search"}, empty):
         with pytest.raises(BadRequest, match='"tool_choice" must be'):
             read_tool_choice("tool_choice", refused, None)
+
+
+def test_the_limits_on_tools_take_what_openai_and_the_schema_take():
+    """128 tools and a name of 64 characters, OpenAI's most (and the schema's), are
+    taken; one more of either is refused."""
+
+    def tools(count, name="f"):
+        return [{"type": "function", "function": {"name": f"{name}{i}"}} for i in range(count)]
+
+    assert len(read_tools("tools", tools(MAX_TOOLS), None)) == MAX_TOOLS
+    with pytest.raises(BadRequest, match="at most 128 tools"):
+        read_tools("tools", tools(MAX_TOOLS + 1), None)
+    longest = "n" * 63  # and its index: 64 characters
+    assert read_tools("tools", tools(1, longest), None)[0]["name"] == longest + "0"
+    with pytest.raises(BadRequest):
+        read_tools("tools", tools(1, longest + "x"), None)
+
+
+def test_a_tools_parameters_must_be_the_schema_of_an_object():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    with pytest.raises(BadRequest, match="must be a schema of an object"):
+        read_tools("tools", [tool], None)
+
+
+def test_a_calls_arguments_keep_their_keys_as_the_model_wrote_them():
+    """Keys beyond ASCII are sent back as written, as their values are (not escaped)."""
+    message, _ = Tools([{"name": "f"}], "auto").message(
+        '{"name": "f", "arguments": {"ville": "Zürich", "café": 1}}'
+    )
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"ville": "Zürich", "café": 1}'
 
 
 def test_the_older_functions_and_the_choice_among_them():
     assert read_functions("functions", [{**WEATHER, "strict": None}], None) == [WEATHER]
     assert read_function_call("function_call", {"name": "weather"}, None) == "weather"
     assert read_function_call("function_call", "auto", None) == "auto"
-    with pytest.raises(BadRequest, match='"function_call" must be'):
-        read_function_call("function_call", "required", None)
+    for refused in ("required", {"name": ""}):
+        with pytest.raises(BadRequest, match='"function_call" must be'):
+            read_function_call("function_call", refused, None)
     with pytest.raises(BadRequest, match='"function_call" names time, which is not among the f'):
         chat_tools([WEATHER], "time", older=True)
     with pytest.raises(BadRequest, match='"function_call" is .weather., and the request offers'):

@@ -86,7 +86,12 @@ def one_message(message: Any) -> dict[str, Any]:
     content = message.get("content")
     if calls:
         if role != "assistant":
-            raise BadRequest("only an assistant's message has tool calls", param="tool_calls")
+            sent, what = (
+                ("tool_calls", "tool calls")
+                if message.get("tool_calls")
+                else ("function_call", "a function call")
+            )
+            raise BadRequest(f"only an assistant's message has {what}", param=sent)
         entry["tool_calls"] = []
         for number, call in enumerate(calls):
             try:

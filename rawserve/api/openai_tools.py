@@ -439,9 +439,11 @@ def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str:
         return value
     function = value.get("function") if isinstance(value, dict) else None
     # (a choice without "type" is a function's, as vLLM takes it; another type is none)
+    # (an empty name forced no function: it was read as "auto")
     if (
         isinstance(function, dict)
         and isinstance(function.get("name"), str)
+        and function["name"]
         and value.get("type", "function") == "function"
     ):
         return str(function["name"])
@@ -456,7 +458,7 @@ def read_function_call(name: str, value: Any, context: DocContext | None) -> str
     answer must call."""
     if value in ("none", "auto"):
         return str(value)
-    if isinstance(value, dict) and isinstance(value.get("name"), str):
+    if isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"]:
         return str(value["name"])
     raise BadRequest(f'"{name}" must be "none", "auto" or {{"name": ...}}')
 
