@@ -599,3 +599,14 @@ async def test_health_of_several_models_says_which_one_keeps_failing(app):
         "status": "unhealthy",
         "models": {"cls": "ok", "emb": "unhealthy"},
     }
+
+
+@pytest.mark.parametrize(("labels", "reranks"), [(1, True), (2, False), (0, False)])
+async def test_rerank_is_served_by_a_classifier_of_one_label_only(labels, reranks):
+    """A cross-encoder scores a pair with its one label; a classifier of two labels (a
+    sentiment model) is no reranker, and TEI's /rerank is not served by it."""
+    model = served("c", "text-classification")
+    model.serving.loaded.details["id2label"] = {str(i): f"L{i}" for i in range(labels)}
+    app = App(ServedModels([model]), AppSettings(api_key="secret"))
+    paths = json.loads((await app.handle(get("/openapi.json"))).body)["paths"]
+    assert ("/rerank" in paths) is reranks

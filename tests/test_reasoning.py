@@ -883,3 +883,27 @@ def test_a_response_stream_that_fails_keeps_the_thinking_and_text_it_sent(texts,
         [message] = said
         assert item.status == "completed" and message.content[0].text == text
         assert message.status == "incomplete"
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "taken"),
+    [
+        ({"effort": "none"}, True),
+        ({"effort": None, "summary": None}, True),
+        ({"effort": "high"}, False),  # (it was served, with no effort asked of the model)
+        ({"effort": "none", "summary": "auto"}, False),
+        ({"effort": "none", "budget": 10}, False),
+    ],
+)
+def test_a_responses_reasoning_setting_is_taken_at_its_off_values_only(reasoning, taken):
+    """What a model thinks is its template's doing: an effort or a summary asked of it
+    is refused, naming the field, never served without them."""
+    from rawserve.api.openai_responses import parse_response
+    from rawserve.http.errors import BadRequest
+
+    if taken:
+        parse_response({"input": "hi", "reasoning": reasoning})
+        return
+    with pytest.raises(BadRequest, match="is not supported by this server") as refused:
+        parse_response({"input": "hi", "reasoning": reasoning})
+    assert refused.value.param == "reasoning"
