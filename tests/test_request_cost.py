@@ -173,6 +173,32 @@ def test_an_answer_over_the_bound_is_refused_naming_it(tokenizer):
     assert asyncio.run(tokenizer.tokenize(texts[:1], True, TokenBound(LIMIT), 10_000))
 
 
+def test_an_answer_of_exactly_the_bound_is_answered(tokenizer):
+    """The bound is on the answer's bytes: one of exactly as many is taken (a comma after
+    its last text was counted, and it was refused), one byte fewer refused."""
+    texts = ["hello world"] * 3
+    whole = asyncio.run(tokenizer.tokenize(texts, True, TokenBound(LIMIT), 2**20))
+    assert asyncio.run(tokenizer.tokenize(texts, True, TokenBound(LIMIT), len(whole))) == whole
+    with pytest.raises(AnswerTooLarge):
+        asyncio.run(tokenizer.tokenize(texts, True, TokenBound(LIMIT), len(whole) - 1))
+
+
+def test_a_large_tokenize_answer_gives_its_memory_back(tokenizer, monkeypatch):
+    """Past TRIM_AFTER_TOKENS tokens the answer's objects leave pages the heap keeps:
+    given back to the system, the server's memory stays near its start."""
+    from rawserve.api import tokens
+
+    calls: list[int] = []
+    monkeypatch.setattr(tokens, "give_back_free_memory", lambda: calls.append(1))
+    texts = ["hello world " * 1000] * 10  # past INLINE_LIMIT: counted off the loop
+    bound = TokenBound(4096, truncate=True)
+    listed = json.loads(asyncio.run(tokenizer.tokenize(texts, False, bound, 2**26)))
+    assert sum(len(tokens) for tokens in listed) > tokens.TRIM_AFTER_TOKENS
+    assert calls == [1]
+    asyncio.run(tokenizer.tokenize(["hello world"], True, bound, 2**26))
+    assert calls == [1]
+
+
 def test_token_counts_stop_at_the_limit(tokenizer):
     assert tokenizer.count(["hello", LONG], LIMIT) == [3, LIMIT]
 
@@ -197,6 +223,18 @@ def app_for(task, tokenizer_json, details, **settings):
     workers = Loaded(task, {"max_input_length": LIMIT, **details}, tokenizer_json)
     model = ServedModel("m", ModelService(Idle(), workers), {"batching": {}})
     return App(ServedModels([model]), AppSettings(**settings))
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream"])
+def test_a_tgi_prompt_past_the_positions_is_422_before_it_queues(tokenizer_json, path):
+    """Counted before it queues (the idle queue fails any call), in the words TGI's
+    clients read; queued, it took a batch's place, and a stream's 200 ended in an error."""
+    app = app_for("text-generation", tokenizer_json, {})
+    document = {"inputs": "hello world " * 100, "parameters": {"max_new_tokens": 2}}
+    status, body = post(app, path, document)
+    assert status == 422, body
+    assert "longer than the model's context length" in body["error"]
+    assert body["error_type"] == "validation"
 
 
 def test_tokenize_lists_a_text_past_the_models_length_and_cuts_it_when_asked(tokenizer_json):

@@ -142,7 +142,7 @@ class ServerTokenizer:
         for text, (start, _), piece in zip(texts, spans, encoded, strict=True):
             encoding = self._finished(piece, add_special, bound)
             part = tokens_json(encoding, text, start)
-            size += len(part) + 1
+            size += len(part) + bool(parts)  # (a comma before each part but the first)
             if size > max_bytes:
                 raise AnswerTooLarge(max_bytes)
             parts.append(part)
