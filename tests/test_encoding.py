@@ -120,6 +120,8 @@ Point = collections.namedtuple("Point", "x y")
         (decimal.Decimal("2.50"), b"2.5"),
         (decimal.Decimal("-1E+3"), b"-1000"),
         (decimal.Decimal(2**59), b"576460752303423488"),
+        (decimal.Decimal(10**17), b"100000000000000000"),  # 18 digits: whole
+        (decimal.Decimal(10**18), b"1e+18"),  # 19: a float's
         (decimal.Decimal(2**80), b"1.2089258196146292e+24"),
         (decimal.Decimal("1E+999999"), b"null"),  # past a float's range: infinity
         ([decimal.Decimal("nan"), decimal.Decimal("-snan")], b"[null,null]"),

@@ -267,6 +267,12 @@ def test_a_body_of_more_than_two_codings_one_over_another_is_refused():
         codings("gzip, deflate, gzip")
 
 
+def test_x_gzip_is_read_as_gzip():
+    """RFC 9110 8.4.1.3: a recipient should take x-gzip as gzip (older clients send it)."""
+    assert codings("X-Gzip") == ["x-gzip"]
+    assert decoded(gzip.compress(b"hello"), codings("x-gzip"), 100) == b"hello"
+
+
 def test_a_gzip_body_of_many_tiny_members_is_refused():
     # 20 bytes a member: a 1 MiB body of them would cost the event loop ~50,000 passes
     assert decoded(gzip.compress(b"a") * 64, ["gzip"], 100) == b"a" * 64
@@ -1509,7 +1515,10 @@ async def test_past_the_probe_seats_a_probe_waiting_in_the_kernel_is_answered(re
      (b"GET /health HTTP/1.1\r\nContent-Length: 5\r\n\r\n", Waiting.UNKNOWN),
      (b"POST / HTTP/1.1\r\n", Waiting.OTHER), (b"PO", Waiting.OTHER),
      (b"DELETE /", Waiting.OTHER), (b"GET / HTTP/1.1\r\n\r\n", Waiting.OTHER),
-     (b"\x16\x03\x01\x02\x00", Waiting.OTHER), (b"GET /" + b"x" * 2100, Waiting.UNKNOWN)],
+     (b"\x16\x03\x01\x02\x00", Waiting.OTHER), (b"GET /" + b"x" * 2100, Waiting.UNKNOWN),
+     # only a well-formed head takes a seat past the reserve: one of no HTTP version
+     (b"GET /health FOO\r\nHost: a\r\n\r\n", Waiting.OTHER),
+     (b"GET /health\r\n\r\n", Waiting.OTHER)],
 )  # fmt: skip
 def test_what_waits_on_a_connection_is_sorted_as_a_probe_only_when_whole(waiting, sorted_as):
     assert sort_request_start(waiting) is sorted_as
@@ -2164,6 +2173,7 @@ async def test_a_preflight_asking_for_headers_that_are_no_names_is_allowed_witho
         ("Bearer k3y", True),
         ("bearer k3y", True),  # the scheme is case-insensitive
         ("  Bearer k3y  ", True),
+        ("Bearer   k3y", True),  # RFC 9110 11.4: auth-scheme 1*SP token68
         (None, False),
         ("", False),
         ("Bearer", False),
@@ -2185,6 +2195,17 @@ def test_require_bearer(authorization, accepted):
     with pytest.raises(Unauthorized) as caught:
         require_bearer(request, "k3y")
     assert dict(caught.value.headers)["WWW-Authenticate"].startswith("Bearer")
+
+
+@pytest.mark.parametrize("authorization", ["Bearer wrong", "bearer K3Y", "Bearer k3y\xe9"])
+def test_a_token_sent_and_refused_is_said_to_be_invalid(authorization):
+    """RFC 6750 3.1: `error="invalid_token"` tells a client its token was refused, where
+    a request without one gets the bare challenge."""
+    request = HttpRequest("POST", "/", "", [("authorization", authorization)], b"", "id")
+    with pytest.raises(Unauthorized, match="not valid") as caught:
+        require_bearer(request, "k3y")
+    challenge = dict(caught.value.headers)["WWW-Authenticate"]
+    assert challenge == 'Bearer realm="rawserve", error="invalid_token"'
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer", "Bearer ", "Bearer    "])
@@ -2450,6 +2471,17 @@ def test_a_body_of_tiny_chunks_is_over_the_limit_long_before_its_bytes_are():
     fat = ChunkedMeter(limit=1000)
     fat.feed(b"3e9\r\n")  # over by its bytes
     assert fat.over and not fat.too_many_chunks
+
+
+def test_a_body_of_exactly_the_limit_over_only_by_its_tiny_chunks_is_told_so():
+    """Its bytes at the limit, it is over by its chunks' minimum cost alone: told to send
+    larger chunks, not that its body is over the limit."""
+    chunks = CHUNKS_AS_SENT + 1
+    meter = ChunkedMeter(limit=6 * chunks)
+    for _ in range(chunks):
+        meter.feed(b"1\r\nX\r\n")
+    assert meter.sent == meter.limit
+    assert meter.over and meter.too_many_chunks
 
 
 def test_the_chunk_meter_takes_a_body_of_exactly_the_limit_and_reads_across_splits():
@@ -3015,6 +3047,25 @@ def test_a_head_written_by_hand_is_the_bytes_h11_writes(status, content_type, he
         ("X-Request-Id", "r-1"),
     )
     assert head is not None and head + own + body == h11_written(status, list(fields), body)
+
+
+def test_an_answer_of_no_type_writes_no_content_type_field():
+    """A preflight's 204 has no type: no `Content-Type:` field goes out, empty or not."""
+    assert [name for name, _ in fixed_fields("", (), None, False)] == ["Server"]
+    assert ("Content-Type", "application/json") in fixed_fields("application/json", (), 2, False)
+
+
+def test_a_repeated_header_reads_as_its_first_value():
+    """The protocol reads a repeated field's first value (an Origin, a Content-Type): the
+    app reads the same one, or a preflight sent two Origins is judged on another than
+    the protocol's refusals were."""
+    fields = [("origin", "https://app.example"), ("origin", "https://evil.example")]
+    fields += [("access-control-request-method", "POST")]
+    fields += [("content-type", "application/json"), ("content-type", "text/plain")]
+    request = HttpRequest("OPTIONS", "/", "", fields, b"", "id")
+    assert request.header("content-type") == "application/json"
+    response = CorsPolicy(["https://app.example"]).preflight(request, {"POST"})
+    assert dict(response.headers)["Access-Control-Allow-Origin"] == "https://app.example"
 
 
 @pytest.mark.parametrize(
