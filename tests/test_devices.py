@@ -187,6 +187,27 @@ def test_a_parent_cgroup_s_lower_limit_holds(tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("container_lower", [False, True])
+def test_of_a_pods_and_its_containers_limits_the_lower_holds(
+    tmp_path, monkeypatch, container_lower
+):
+    """Both set (a pod of 1 CPU and 1 GiB, its container of 4 and 4 GiB, or the other way
+    round): the lower is the one the kernel holds the server to."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    low, high = ("c1", "") if container_lower else ("", "c1")
+    pod = "sys/fs/cgroup/kubepods/pod1"
+    files = {
+        f"{pod}/{low}/cpu.max".replace("//", "/"): "100000 100000",
+        f"{pod}/{high}/cpu.max".replace("//", "/"): "400000 100000",
+        f"{pod}/{low}/memory.max".replace("//", "/"): str(2**30),
+        f"{pod}/{high}/memory.max".replace("//", "/"): str(4 * 2**30),
+    }
+    root = cgroup_tree(tmp_path, "0::/kubepods/pod1/c1\n", V2_MOUNT, files)
+    assert core_count(root).cores == 1
+    held = "/sys/fs/cgroup/kubepods/pod1/" + ("c1/" if container_lower else "") + "memory.max"
+    assert cgroups.memory_limit(root) == cgroups.Limit(2**30, Path(held))
+
+
 @pytest.mark.parametrize(
     ("tree", "limit"),
     [

@@ -36,7 +36,7 @@ from rawserve.models.hub import (
     files_to_skip,
     resolve_model,
 )
-from rawserve.models.hub_integrity import hashes_to_its_name
+from rawserve.models.hub_integrity import forget, hashes_to_its_name
 from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
 from rawserve.models.plan import plan_models
 from rawserve.models.sentence_folder import sentence_transformers_default_prompt
@@ -1517,6 +1517,29 @@ def test_a_branch_whose_new_commit_is_partly_cached_serves_its_whole_earlier_sna
     (storage / "refs" / "dev").write_text(earlier.name)
     line = one_error_line(run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1"))
     assert "serving" not in line and earlier.name not in line, line
+
+
+def test_a_file_forgotten_deletes_the_caches_blob_and_never_a_file_linked_from_elsewhere(
+    tmp_path,
+):
+    """A file cut short is forgotten to be downloaded again: the cache's own blob goes,
+    and where a snapshot's file was linked by hand to the user's own copy, only the link
+    does (deleting what it links to would lose the user's file)."""
+    repo = tmp_path / "models--org--name"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / ("a" * 40)
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (blobs / ("b" * 64)).write_bytes(b"cached")
+    os.symlink(os.path.relpath(blobs / ("b" * 64), snapshot), snapshot / "model.safetensors")
+    own = tmp_path / "elsewhere" / "config.json"
+    own.parent.mkdir()
+    own.write_text("{}")
+    os.symlink(own, snapshot / "config.json")
+    forget(snapshot, ["model.safetensors", "config.json"])
+    assert not (blobs / ("b" * 64)).exists()
+    assert not os.path.lexists(snapshot / "model.safetensors")
+    assert not os.path.lexists(snapshot / "config.json")
+    assert own.read_text() == "{}"
 
 
 def test_a_cached_file_cut_short_is_downloaded_again_and_named_offline(tmp_path):

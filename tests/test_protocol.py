@@ -1419,6 +1419,28 @@ def test_the_refusals_waiting_fit_what_the_open_files_limit_leaves():
     assert refusals_bound(400, 512) == 0
 
 
+@pytest.mark.parametrize(
+    ("limits", "raised"),
+    [
+        ((1024, 10**6), (2000 + OWN_FILES, 10**6)),  # the connections and its own files
+        ((1024, 2010), (2010, 2010)),  # as far as the hard limit allows (warned of)
+        ((2000 + OWN_FILES, 10**6), None),  # enough already: left as it is
+    ],
+)
+def test_the_open_files_limit_is_raised_for_the_connections_and_the_process_s_own(
+    monkeypatch, limits, raised
+):
+    """Raised for the connections alone, the refusals' bound (which takes the process's
+    own files off the limit) left 64 fewer refused connections their 503: reset."""
+    from rawserve.ops import open_files
+
+    calls = []
+    monkeypatch.setattr(open_files.resource, "getrlimit", lambda which: limits)
+    monkeypatch.setattr(open_files.resource, "setrlimit", lambda which, to: calls.append(to))
+    open_files.raise_open_files_limit(2000)
+    assert calls == ([] if raised is None else [raised])
+
+
 async def test_a_refusal_the_open_files_limit_leaves_no_room_for_is_reset_at_once():
     state = ServerState(open_files=1 + PROBE_SEATS + OWN_FILES)  # room for no refusal
     connect = connector(EchoApp(), ProtocolSettings(max_connections=1), state)

@@ -185,3 +185,24 @@ def test_a_continuous_worker_is_killed_at_the_batch_timeout_only_once_silent(loo
     if running.watchdog is not None:
         running.watchdog.cancel()
     assert (worker.state is WorkerState.DEAD) == (silent_for > 5.0)
+
+
+@pytest.mark.parametrize(
+    ("asked", "reported", "shown"),
+    [
+        ("cuda:1", "cuda:0", "cuda:1"),  # its worker sees that GPU alone, as its cuda:0
+        ("auto", "cpu", "cpu"),  # what its worker chose
+        ("cpu", "cpu", "cpu"),
+    ],
+)
+def test_a_workers_device_is_shown_as_named_or_as_chosen(asked, reported, shown):
+    """/info and /metrics show a `--device cuda:1` worker as cuda:1, not as the cuda:0
+    its worker reports, and an `auto` one as what it chose; before it is ready, as asked."""
+    from rawserve.shared.messages import WorkerReady
+
+    worker = WorkerHandle(1, WorkerConfig(model="m", device=asked), WorkerRecord())
+    assert worker.device == asked
+    worker.ready = WorkerReady(
+        pid=1, task="feature-extraction", device=reported, dtype="float32", load_seconds=0.1
+    )
+    assert worker.device == shown and worker.status().device == shown
