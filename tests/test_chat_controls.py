@@ -275,3 +275,30 @@ def test_where_a_chat_holds_a_token_is_found_in_its_texts():
     assert holding("<x>", parts) == "tools"
     assert holding("<y>", parts) == "chat"
     assert unquoted("'<|im_end|>'") == "<|im_end|>" and unquoted("not quoted") == "not quoted"
+
+
+def test_an_added_whitespace_token_in_the_template_is_not_a_control_token():
+    """Gemma's tokenizer has "\\n" as an added (not special) token, and every template
+    writes "\\n": listed as a control token, every message's newlines would be kept apart
+    (or refused) as if a client had spelled out a control token."""
+    from rawserve.worker.chat_controls import controls
+
+    template = "{% for m in messages %}<start_of_turn>{{ m['content'] }}\n{% endfor %}"
+    added = (("\n", False), ("<start_of_turn>", False), ("<eos>", True))
+    listed, pattern = controls(template, added, None)
+    assert listed == ["<start_of_turn>"]
+    assert pattern.search("two\nlines") is None
+    assert pattern.search("a <start_of_turn> b") is not None
+
+
+def test_an_earlier_answer_with_its_own_reasoning_content_is_rendered_as_it_came(tiny_model):
+    """An answer sent back with its reasoning_content is the client's own, its content
+    sent as it came: thinking parsed out of its content must not take its place."""
+    runner = chat_runner(tiny_model, QWEN3, added=("<think>", "</think>"))
+    earlier = {
+        "role": "assistant",
+        "content": "<think>guessed</think>hello to you",
+        "reasoning_content": "the client's own",
+    }
+    text = runner.tokenizer.decode(ids_of(runner, [{"role": "user", "content": "hi"}, earlier]))
+    assert "the client's own" in text and "<think>guessed</think>hello to you</s>" in text, text

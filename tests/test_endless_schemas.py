@@ -287,6 +287,16 @@ def test_references_nested_past_what_llguidance_follows_are_refused(required):
     assert schema_fault(wide) is None
 
 
+def test_references_nesting_exactly_the_levels_followed_are_taken_and_one_more_is_not():
+    """The bound is the most levels llguidance is let follow ("at most 512 are followed"):
+    a chain nesting exactly that many is judged as any other schema, not refused."""
+    most, ending = MOST_NESTED_LEVELS, {"type": "integer"}
+    exactly = chain(most // 2 - 1, last=ending)  # two levels a part, and the root's
+    assert schema_fault(exactly) is None
+    fault = schema_fault(chain(most // 2 - 1, last=wrapped(ending, 1)))
+    assert fault is not None and f"nest {most + 1:,} levels deep" in fault.words, fault
+
+
 def one_union_of_node_types(types: int) -> dict:
     """pydantic's `Node = TypeAliasType("Node", Union[Node0, ..., NodeN])`, each node type
     {kind, value, children: Optional[list[Node]]}: one definition every type refers back to."""

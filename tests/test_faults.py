@@ -103,6 +103,15 @@ def test_even_one_item_out_of_memory_is_a_failure_not_a_crash():
     assert failure.kind is FailureKind.OUT_OF_MEMORY
 
 
+def test_one_input_out_of_memory_alone_leaves_the_batch_cap_unset():
+    """One input that runs out of memory alone (one huge request) fails alone: lowering
+    the cap to 1 for it would run everyone's next batches one input at a time."""
+    runner, cap = OutOfMemoryAbove(0), BatchCap()
+    [failure] = run_batch(runner, [1], {}, cap)
+    assert failure.kind is FailureKind.OUT_OF_MEMORY
+    assert cap.limit is None
+
+
 def test_the_scheduler_respects_the_batch_cap():
     core = SchedulerCore(max_batch_size=8, max_batch_delay=0.0)
     items = [core.new_item(f"x{i}", {}, deadline=100.0, now=0.0) for i in range(8)]

@@ -882,6 +882,16 @@ def test_openais_penalties_count_each_rows_new_tokens():
         ScoreAdjustments.asked({"logit_bias": {6: 1.0}}, 6)
 
 
+def test_a_logit_bias_on_the_id_one_past_the_vocabulary_is_refused_in_words():
+    """Ids run from 0 to the vocabulary's size less one: a bias on the size itself went on
+    to index the scores past their end (an IndexError: a 500, not a 422 that names it)."""
+    from rawserve.worker.scores import ScoreAdjustments
+
+    with pytest.raises(ValueError, match="token id 50,.*ids run from 0 to 49"):
+        ScoreAdjustments.asked({"logit_bias": {"50": 1.0}}, 50)
+    assert ScoreAdjustments.asked({"logit_bias": {"49": 1.0}}, 50).logit_bias == ((49, 1.0),)
+
+
 def test_openais_penalties_weigh_on_the_next_token_from_the_first_one_made():
     """The second token is the first a penalty can steer: one token made already counts."""
     import torch
@@ -2618,6 +2628,27 @@ def test_a_mistral_template_takes_openais_tool_call_ids_as_nine_characters(tiny_
     assert chat_runner.chat.text(messages, None) == (
         "[CALL call_0123456789abcdef01234567][CALL a1B2c3D4e]call_0123456789abcdef01234567a1B2c3D4e"
     )
+
+
+def test_a_short_tool_call_id_is_made_nine_characters_for_a_mistral_template(tiny_model):
+    """A shorter id of letters and digits (a client's own "call1") is no more what
+    Mistral's templates take than a longer one: passed through, the template refused a
+    well-formed chat (a 422)."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, MISTRAL_IDS)
+    call = {"type": "function", "function": {"name": "get_time", "arguments": {}}, "id": "call1"}
+    messages = [
+        {"role": "user", "content": "what time is it"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call1", "content": "noon"},
+    ]
+    text = chat_runner.chat.text(messages, None)
+    made = re.fullmatch(r"what time is it\n\[CALL (\w{9})\]\n\[RESULT (\w{9})\]noon\n", text)
+    assert made is not None, text
+    assert made[1] == made[2]
 
 
 def streamed(runner, control: Control, script_after: dict[int, list[Any]] | None = None, **kw):

@@ -238,6 +238,27 @@ def test_a_fault_names_the_part_as_the_client_does(parameters, said):
         assert "urn:rawserve" not in message and "json-schema:" not in message
 
 
+def test_the_keywords_said_at_fault_leave_unique_items_out():
+    """uniqueItems is taken as an annotation (pydantic writes it for a set): where
+    llguidance lists it beside keywords it cannot hold, the refusal names only the ones
+    really at fault; a list not in its JSON is said as it came."""
+    from rawserve.worker.grammars import unheld_keywords
+
+    said = unheld_keywords('["uniqueItems", "dependentSchemas"]')
+    assert said == 'the schema uses keywords a grammar cannot hold: ["dependentSchemas"]'
+    assert unheld_keywords("[not, json]").endswith("cannot hold: [not, json]")
+
+
+def test_a_relative_reference_against_a_base_with_no_path_is_joined_below_its_root():
+    """A tool's `$id` of a host alone ("https://example.com") and a `$ref` of "b.json":
+    RFC 3986 joins them with a "/" between (5.2.3); without it the
+    reference named no resource of the schema's ("https://example.comb.json")."""
+    from rawserve.worker.schema_references import joined
+
+    assert joined("https://example.com", "b.json") == "https://example.com/b.json"
+    assert joined("https://example.com/a/c.json", "b.json") == "https://example.com/a/b.json"
+
+
 def test_a_schema_is_judged_as_it_is_compiled():
     """An object that lists its properties and leaves `additionalProperties` unstated is
     compiled closed: `minProperties` 1 with one property that never ends streamed '{' and

@@ -355,6 +355,25 @@ def test_text_is_taken_to_fit_the_window_budget_only_at_a_normalizer_s_most_toke
     assert surely_fit([("\ufdfa" * 100, room)], window, stride)
 
 
+def test_windows_that_hold_exactly_the_budget_fit_and_one_token_more_does_not():
+    """The refusal says "more than" the budget: windows that hold it exactly were refused
+    for nothing."""
+    from rawserve.tasks.windows import (
+        WINDOW_TOKEN_BUDGET,
+        most_windows,
+        window_count,
+        windows_fit,
+    )
+
+    window, room, stride = 128, 126, 0
+    most = most_windows(window)
+    assert most * window == WINDOW_TOKEN_BUDGET
+    exactly = most * room  # windows that do not overlap: `most` of them, full
+    assert window_count(exactly, room, stride) == most
+    assert windows_fit(lambda _text, _most: exactly, [("x", room)], window, stride)
+    assert not windows_fit(lambda _text, _most: exactly + 1, [("x", room)], window, stride)
+
+
 def test_a_dense_stride_on_a_long_text_is_refused_before_its_windows_are_made(runner):
     """A 100 KB text at stride 125 of 128 positions is 20,000 windows, which the pipeline's
     tokenizer made in one call before anything could stop it (the worker grew by 1.5 GB,
@@ -751,13 +770,31 @@ def test_question_answering_takes_the_old_name_topk(runner):
 
 def test_question_answering_adds_up_answers_that_differ_only_in_case(runner):
     """ "Paris" and "paris" are one answer, their scores added, as the pipeline gave them:
-    never the same answer twice in a client's top_k."""
+    never the same answer twice in a client's top_k, nor one at its first span's score."""
     qa = runner("question-answering")
-    [answers] = qa.run(
-        [{"question": "where", "context": "Paris is big and paris is old"}], {"top_k": 50}
-    )
+    item = {"question": "where", "context": "Paris is big and paris is old"}
+    [answers] = qa.run([item], {"top_k": 50})
     texts = [answer["answer"].lower() for answer in answers]
     assert "paris" in texts and len(texts) == len(set(texts))
+    [paris] = [answer for answer in answers if answer["answer"].lower() == "paris"]
+    # each span's score: its start's and its end's probability over the context and [CLS]
+    encoded = qa.windows([item], qa.options({"top_k": 50}))
+    [encoding] = encoded.encodings
+    starts, ends = qa.logits(encoded)
+    ids = np.array(encoding.ids)
+    wanted = np.array([s == 1 for s in encoding.sequence_ids]) | (ids == qa.tokenizer.cls_token_id)
+
+    def probabilities(logits):
+        logits = np.where(wanted, logits[: len(ids)], -10000.0)
+        exp = np.exp(logits - logits.max())
+        return exp / exp.sum()
+
+    start, end = probabilities(starts[0]), probabilities(ends[0])
+    both = [
+        i for i, s in enumerate(encoding.sequence_ids) if s == 1 and encoding.tokens[i] == "paris"
+    ]
+    assert len(both) == 2
+    assert paris["score"] == pytest.approx(sum(start[i] * end[i] for i in both), rel=1e-4)
 
 
 def test_question_answering_s_no_answer_score_is_its_lowest_window_s(runner):
@@ -913,6 +950,31 @@ def test_a_context_that_reads_as_no_tokens_is_refused_as_a_blank_one(runner, con
     qa = runner("question-answering")
     with pytest.raises(ValueError, match="the context reads as no tokens"):
         qa.run([{"question": "who", "context": context}], {})
+
+
+@pytest.mark.parametrize("blank", ["\u200b", "\x00\x01"])
+def test_a_context_that_reads_as_no_tokens_fails_alone_in_a_batch(runner, blank):
+    """Batched with a good context (the server batches concurrent requests), a blank one
+    is still refused, and alone: it got the made-up empty answer at [CLS]."""
+    from rawserve.worker.batch_runs import run_batch
+
+    qa = runner("question-answering")
+    good = {"question": "who lives in paris", "context": "john lives in paris"}
+    answered, failed = run_batch(qa, [good, {"question": "who", "context": blank}], {})
+    assert answered == qa.run([good], {})[0]
+    assert isinstance(failed, ItemFailure) and failed.kind == FailureKind.INPUT
+    assert "the context reads as no tokens" in failed.message
+
+
+def test_a_doc_stride_larger_than_max_seq_len_is_refused_in_its_own_words(runner):
+    """A window cannot overlap the one before it by more than its length: said in the
+    two numbers the client sent, not in words about a room it never asked for."""
+    qa = runner("question-answering")
+    item = {"question": "who", "context": "john lives in paris " * 40}
+    with pytest.raises(ValueError) as refused:
+        qa.run([item], {"max_seq_len": 100, "doc_stride": 200})
+    assert str(refused.value) == "doc_stride (200) is larger than max_seq_len (100)"
+    assert qa.describe_failure(refused.value).kind == FailureKind.INPUT
 
 
 @pytest.mark.parametrize("question", ["\u200b", "\x00", "\ufeff"])
