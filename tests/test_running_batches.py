@@ -206,3 +206,34 @@ def test_a_workers_device_is_shown_as_named_or_as_chosen(asked, reported, shown)
         pid=1, task="feature-extraction", device=reported, dtype="float32", load_seconds=0.1
     )
     assert worker.device == shown and worker.status().device == shown
+
+
+def test_the_server_keeps_no_write_end_of_a_workers_replies():
+    """The worker holds the only write end of its replies: its exit is the server's end
+    of file there. A write end kept here leaked a descriptor at every start and restart,
+    and no worker's exit was ever read as one."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from rawserve.serving.processes import start_process
+
+    spawn = multiprocessing.get_context("spawn")
+
+    class NotStarted:  # (never run: the pipes are the subject; it keeps its arguments,
+        # as a process object does for as long as the server holds it)
+        def __init__(self, args: tuple[object, ...] = (), **_: object):
+            self.args = args
+
+        def start(self) -> None:
+            pass
+
+    context = SimpleNamespace(Pipe=spawn.Pipe, Value=spawn.Value, Process=NotStarted)
+    worker = WorkerHandle(0, WorkerConfig(model="m"), WorkerRecord())
+    process, replies = start_process(context, worker)
+    try:
+        assert isinstance(process, NotStarted)  # (held, as the server holds it)
+        with pytest.raises(EOFError):
+            replies.recv_bytes()
+    finally:
+        replies.close()
+        worker.conn.close()
