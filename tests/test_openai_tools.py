@@ -468,3 +468,22 @@ def test_objects_are_closed_where_their_schema_leaves_additional_properties_out(
     wrapped = closed_objects({"properties": {"item": described}, "$defs": {"Item": item}})
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"item": {"a": 1, "x": 2}}, wrapped)
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_an_answer_that_calls_a_tool_is_one_the_published_document_describes(older):
+    """/openapi.json said a chat answer ends in "stop" or "length" only: a client made
+    from it, or a check of answers against it, refused the server's own tool calls."""
+    from rawserve.api.schemas import OPENAI_CHAT_CHUNK, OPENAI_CHAT_RESPONSE
+
+    tools = Tools([WEATHER], "auto", older=older)
+    message, finish = tools.message('{"name": "weather", "arguments": {"city": "Paris"}}')
+    assert finish == ("function_call" if older else "tool_calls")
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    usage = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    answer = {"id": "c", "object": "chat.completion", "created": 1, "model": "m"}
+    jsonschema.validate({**answer, "choices": [choice], "usage": usage}, OPENAI_CHAT_RESPONSE)
+    last = {"index": 0, "delta": {}, "finish_reason": finish}
+    jsonschema.validate(
+        {**answer, "object": "chat.completion.chunk", "choices": [last]}, OPENAI_CHAT_CHUNK
+    )

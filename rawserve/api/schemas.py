@@ -239,6 +239,18 @@ def generation_events(context: DocContext) -> Schema | None:
 # --- OpenAI generation --------------------------------------------------------------------
 
 FINISH = {"enum": ["stop", "length"]}
+# a chat's answer may end in the tools' calls (OpenAI's older functions: one call)
+CHAT_FINISH = {"enum": ["stop", "length", "tool_calls", "function_call"]}
+CALLED = {
+    "type": "object",
+    "required": ["name", "arguments"],
+    "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+}
+TOOL_CALL = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": CALLED},
+}
 GENERATION_USAGE = {**USAGE, "required": ["prompt_tokens", "completion_tokens", "total_tokens"]}
 
 
@@ -274,9 +286,11 @@ OPENAI_CHAT_RESPONSE = completion_object(
                     # a reasoning model's thinking (its content null where it never closed)
                     "reasoning_content": {"type": ["string", "null"]},
                     "reasoning": {"type": ["string", "null"]},  # (the same, newer vLLM's name)
+                    "tool_calls": {"type": "array", "items": TOOL_CALL},
+                    "function_call": CALLED,
                 },
             },
-            "finish_reason": FINISH,
+            "finish_reason": CHAT_FINISH,
         },
     },
 )
@@ -299,7 +313,7 @@ OPENAI_CHAT_CHUNK = completion_object(
         "required": ["index", "delta", "finish_reason"],
         "properties": {
             "delta": {"type": "object"},
-            "finish_reason": {**FINISH, "enum": ["stop", "length", None]},
+            "finish_reason": {"enum": [*CHAT_FINISH["enum"], None]},
         },
     },
     with_usage=False,
