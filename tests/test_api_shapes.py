@@ -2943,3 +2943,38 @@ def test_texts_refused_say_what_was_sent(inputs, says):
     """A text pair, sent where texts go (/tokenize), was told it had sent token ids."""
     with pytest.raises(BadRequest, match=re.escape(says)):
         text_inputs(inputs, 32)
+
+
+def test_the_document_declares_the_bearer_scheme_its_operations_require():
+    """With --api-key each secured operation's `security` names "apiKey": the document
+    declares it (Swagger UI's Authorize, generated clients), and the OpenAI routes'
+    errors are OpenAI's error object, the others rawserve's."""
+    app = app_for("text-generation", {"chat_template": True}, api_key="k")
+    document = json.loads(asyncio.run(app.openapi(get("/openapi.json"))).body)
+    assert document["components"]["securitySchemes"] == {
+        "apiKey": {"type": "http", "scheme": "bearer"}
+    }
+
+    def refused(path: str) -> dict:
+        answer = document["paths"][path]["post"]["responses"]["401"]
+        return answer["content"]["application/json"]["schema"]
+
+    assert refused("/v1/chat/completions") == {"$ref": "#/components/schemas/OpenAIErrorResponse"}
+    assert refused("/") == {"$ref": "#/components/schemas/ErrorResponse"}
+    unsecured = app_for("text-generation", {"chat_template": True})
+    document = json.loads(asyncio.run(unsecured.openapi(get("/openapi.json"))).body)
+    assert "securitySchemes" not in document["components"]
+
+
+def test_a_task_answering_one_input_with_a_list_is_documented_so():
+    """summarization answers {"inputs": "x"} with [{"summary_text"}]: the document's
+    answer to one input is that one-item list, never the bare object."""
+    from types import SimpleNamespace
+
+    from rawserve.api.schemas import inference_response
+
+    context = SimpleNamespace(model=SimpleNamespace(task="summarization"))
+    schema = inference_response(context)
+    jsonschema.validate([{"summary_text": "s"}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"summary_text": "s"}, schema)

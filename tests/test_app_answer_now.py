@@ -452,3 +452,29 @@ async def test_a_deadline_counts_from_the_requests_head_not_from_its_checked_bod
         await app.handle(post)
     on_time = request("POST", "/", b"hello", headers)
     assert app.inference.context.deadline(on_time) == on_time.received_at + 5
+
+
+async def test_a_models_own_readiness_needs_no_api_key_as_ready_does(app):
+    """GET /ready/<name> is a probe: with --api-key a load balancer calls it without one,
+    and the document says it needs none."""
+    for path in ("/ready", "/ready/test-model"):
+        answer = app.answer_now(request("GET", path))
+        assert answer is not None and answer.status == 200, path
+        assert json.loads(answer.body)["status"] == "ready"
+    document = json.loads((await app.openapi(request("GET", "/openapi.json"))).body)
+    assert document["paths"]["/ready/test-model"]["get"]["security"] == []
+
+
+def test_a_deadline_is_the_timeout_without_the_header_and_the_header_up_to_the_most():
+    """--timeout is the deadline of a request without X-Request-Timeout; the header may
+    ask for more than --timeout, up to --max-timeout (swapped, a request without it had
+    the most, and the header was held to --timeout)."""
+    from rawserve.api.context import RouteContext
+
+    context = RouteContext(None, AppSettings(timeout=30.0, max_timeout=300.0))  # type: ignore[arg-type]
+    plain = request("POST", "/", b"x")
+    assert context.deadline(plain) == plain.received_at + 30.0
+    longer = request("POST", "/", b"x", [("x-request-timeout", "100")])
+    assert context.deadline(longer) == longer.received_at + 100.0
+    most = request("POST", "/", b"x", [("x-request-timeout", "1000")])
+    assert context.deadline(most) == most.received_at + 300.0

@@ -610,3 +610,37 @@ async def test_rerank_is_served_by_a_classifier_of_one_label_only(labels, rerank
     app = App(ServedModels([model]), AppSettings(api_key="secret"))
     paths = json.loads((await app.handle(get("/openapi.json"))).body)["paths"]
     assert ("/rerank" in paths) is reranks
+
+
+async def test_a_route_no_model_fits_names_the_model_field_only_where_the_body_does():
+    """OpenAI's `param` says which field was at fault: "model" only where the body named
+    one; a body without it, sent to a route the one served model cannot serve, has none."""
+    app = App(ServedModels([served("cls", "text-classification")]))
+    unnamed = await app.handle(post("/v1/embeddings", {"input": "hi"}, headers=[]))
+    error = json.loads(unnamed.body)["error"]
+    assert unnamed.status == 404 and error["param"] is None, error
+    named = await app.handle(post("/v1/embeddings", {"input": "hi", "model": "cls"}, headers=[]))
+    assert named.status == 404 and json.loads(named.body)["error"]["param"] == "model"
+
+
+async def test_a_body_naming_a_full_model_is_refused_503_before_it_is_read_or_run():
+    """A route whose body names the model refuses a full model's request before the body
+    is checked or tokenized: a bad body 503 as a good one, and nothing computed."""
+    models = [served("cls", "text-classification"), served("emb", "feature-extraction")]
+    app = App(ServedModels(models))
+    queue = app.models.get("emb").serving.queue
+    assert isinstance(queue, AnsweringQueue)
+    queue.full = True
+    for body in ({"input": "hi", "model": "emb"}, {"input": 7, "model": "emb"}):
+        answer = await app.handle(post("/v1/embeddings", body, headers=[]))
+        assert answer.status == 503, answer.body
+    assert queue.calls == []
+
+
+def test_a_folder_served_once_under_an_alias_is_not_said_to_name_several():
+    """A 404 says a name "names several served models" only where two share it."""
+    one = served("a", "text-classification")
+    one = ServedModel(one.name, one.serving, {"model": "/srv/x"})
+    models = ServedModels([one, served("b", "feature-extraction")])
+    with pytest.raises(ModelNotFound, match="no model named 'x' is served"):
+        models.get("x")

@@ -787,3 +787,12 @@ def test_why_onnx_runtime_cannot_serve_is_said(task, device, dtype, installed, r
         assert said is None
     else:
         assert reason in said
+
+
+def test_a_parameter_of_tasks_past_those_named_is_counted_in_words():
+    """max_new_tokens is four tasks' parameter: three are named, "and 1 other task"."""
+    from rawserve.tasks.registry import TASKS, check_params
+    from rawserve.tasks.rules import UnknownParameters
+
+    with pytest.raises(UnknownParameters, match=r"and 1 other task\b(?!s)"):
+        check_params(TASKS["fill-mask"], {"max_new_tokens": 5})
