@@ -15,6 +15,7 @@ from rawserve.api.openai_tools import (
     MAX_TOOLS,
     NO_ARGUMENTS,
     WORDS,
+    ForcedCall,
     StreamedWords,
     Tools,
     chat_tools,
@@ -114,9 +115,11 @@ def test_the_tools_a_body_offers_and_the_choice_among_them():
 def test_a_tool_choice_names_a_function_as_openai_or_tgi_writes_it():
     """TGI reads any text but "none", "auto" and "required" as a function's name
     (InferenceClient's `chat_completion(..., tool_choice="weather")`)."""
-    for written in ("weather", {"type": "function", "function": {"name": "weather"}}):
-        assert read_tool_choice("tool_choice", written, None) == "weather"
+    assert read_tool_choice("tool_choice", "weather", None) == "weather"
+    forced = {"type": "function", "function": {"name": "weather"}}
+    assert read_tool_choice("tool_choice", forced, None) == ForcedCall("weather")
     assert chat_tools([WEATHER], "weather") == Tools([WEATHER], "weather")
+    assert chat_tools([WEATHER], ForcedCall("weather")).callable() == ["weather"]
     with pytest.raises(BadRequest, match='"tool_choice" names rain, which is not among'):
         chat_tools([WEATHER], read_tool_choice("tool_choice", "rain", None))
     # (an empty name forced no function: it was read as "auto")
@@ -124,6 +127,27 @@ def test_a_tool_choice_names_a_function_as_openai_or_tgi_writes_it():
     for refused in ("", 3, {"type": "file_search"}, empty):
         with pytest.raises(BadRequest, match='"tool_choice" must be'):
             read_tool_choice("tool_choice", refused, None)
+
+
+@pytest.mark.parametrize("mode", ["none", "auto", "required"])
+@pytest.mark.parametrize("older", [False, True])
+def test_a_function_named_as_a_mode_is_called_when_it_is_forced(mode, older):
+    """OpenAI's names take "none", "auto" and "required": forcing a function so named
+    read as that mode (forced "none", the answer was words, no call)."""
+    function = {"name": mode, "parameters": CITY}
+    if older:
+        choice = read_function_call("function_call", {"name": mode}, None)
+    else:
+        forced = {"type": "function", "function": {"name": mode}}
+        choice = read_tool_choice("tool_choice", forced, None)
+    tools = chat_tools([function, TIME], choice, parallel=True, older=older)
+    assert tools is not None and tools.held and not tools.parallel
+    assert tools.callable() == [mode]
+    assert tools.grammar()["value"]["properties"]["name"] == {"const": mode}
+    message, finish = tools.message(f'{{"name": "{mode}", "arguments": {{"city": "x"}}}}')
+    assert finish is None  # a forced call ends as words do
+    called = message["function_call"] if older else message["tool_calls"][0]["function"]
+    assert called["name"] == mode
 
 
 def test_the_limits_on_tools_take_what_openai_and_the_schema_take():
@@ -158,7 +182,7 @@ def test_a_calls_arguments_keep_their_keys_as_the_model_wrote_them():
 
 def test_the_older_functions_and_the_choice_among_them():
     assert read_functions("functions", [{**WEATHER, "strict": None}], None) == [WEATHER]
-    assert read_function_call("function_call", {"name": "weather"}, None) == "weather"
+    assert read_function_call("function_call", {"name": "weather"}, None) == ForcedCall("weather")
     assert read_function_call("function_call", "auto", None) == "auto"
     for refused in ("required", {"name": ""}):
         with pytest.raises(BadRequest, match='"function_call" must be'):

@@ -398,7 +398,7 @@ class Answer:
             if self.chat:  # each choice's first chunk says who speaks
                 # (an answer that must call has no words: null, as the message's content,
                 # and OpenAI's first chunk of a call)
-                calls = self.tools is not None and self.tools.choice not in ("auto", "none")
+                calls = self.tools is not None and self.tools.mode not in ("auto", "none")
                 for index in range(len(streams)):
                     first = self.chunk(index, "")
                     first["choices"][0]["delta"] = {

@@ -548,7 +548,7 @@ def json_unstopped(request: GenerationRequest) -> GenerationRequest:
 def may_be_words(request: GenerationRequest) -> bool:
     """Whether a request held to JSON may answer in words (`{"content": "..."}`)."""
     tools = request.tools
-    return tools is not None and tools.choice == "auto" and tools.answer_format is None
+    return tools is not None and tools.mode == "auto" and tools.answer_format is None
 
 
 def requested_tools(fields: Fields, one_call: bool = False) -> Tools | None:

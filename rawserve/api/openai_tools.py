@@ -27,7 +27,7 @@ import json
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urldefrag, urljoin
 
@@ -99,6 +99,17 @@ WORDS: Schema = {
 }
 
 
+MODES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """A choice of the function an answer must call, as OpenAI names it
+    (`{"type": "function", "function": {"name"}}`): a function may be named "auto"."""
+
+    name: str
+
+
 @dataclass(frozen=True)
 class Tools:
     """The functions a chat offers (OpenAI's `{"name", "description", "parameters"}`), and
@@ -111,22 +122,28 @@ class Tools:
     older: bool = False  # asked as `functions`: the call read back as a `function_call`
     # the JSON schema of an answer that does not call (the request's response_format)
     answer_format: dict[str, Any] | None = None
+    forced: bool = False  # `choice` names the function to call, whatever its name
+
+    @property
+    def mode(self) -> str:
+        """ "none", "auto", "required", or "function": the function `choice` names."""
+        return "function" if self.forced or self.choice not in MODES else self.choice
 
     @property
     def held(self) -> bool:
         """Whether the answer is held to a call (or, with "auto", to words in JSON)."""
-        return self.choice != "none"
+        return self.mode != "none"
 
     def grammar(self) -> dict[str, Any]:
         """What a held answer is held to, as the worker takes a grammar (TGI's shape)."""
-        if self.choice in ("auto", "required"):
+        if self.mode in ("auto", "required"):
             answers = [call_schema(function) for function in self.functions]
         else:
             answers = [call_schema(f) for f in self.functions if f["name"] == self.choice]
         if self.parallel:  # or a list of calls
             call = answers[0] if len(answers) == 1 else {"anyOf": list(answers)}
             answers.append({"type": "array", "items": call, "minItems": 1})
-        if self.choice == "auto":
+        if self.mode == "auto":
             answers.append(WORDS if self.answer_format is None else formatted(self.answer_format))
         one_schema_an_id(answers)
         return {"type": "json", "value": answers[0] if len(answers) == 1 else {"anyOf": answers}}
@@ -154,7 +171,7 @@ class Tools:
                 # the format's JSON as written (not read and written again), its braces off
                 content = text.strip().removeprefix(FORMATTED_OPENING).removesuffix("}")
             return {"role": "assistant", "content": text if content is None else content}, None
-        named = self.choice not in ("auto", "required")  # a call forced: it ends as words do
+        named = self.mode == "function"  # a call forced: it ends as words do
         if named:
             return self._called(functions), None
         return self._called(functions), "function_call" if self.older else "tool_calls"
@@ -174,10 +191,10 @@ class Tools:
         cut = cut_calls(text, names)  # (None: words, not calls)
         # before the name: a call for sure where it must call, or where what came can
         # begin no words (`[`, `{"n`)
-        a_call = self.choice != "auto" or not WORDS_OPENING.startswith(text.strip())
+        a_call = self.mode != "auto" or not WORDS_OPENING.startswith(text.strip())
         if cut == [] and a_call and len(names) == 1:
             return self._called([{"name": names[0], "arguments": ""}])
-        if cut or (cut is not None and self.choice != "auto"):
+        if cut or (cut is not None and self.mode != "auto"):
             return self._called(cut)
         if self.answer_format is not None:  # the format's JSON as far as it came
             written = text.removeprefix(FORMATTED_OPENING)
@@ -189,7 +206,7 @@ class Tools:
 
     def callable(self) -> list[str]:
         """The names of the functions the answer may call."""
-        if self.choice in ("auto", "required"):
+        if self.mode in ("auto", "required"):
             return [function["name"] for function in self.functions]
         return [self.choice]
 
@@ -431,7 +448,7 @@ def read_functions(name: str, value: Any, context: DocContext | None) -> list[di
     return list(functions.values())
 
 
-def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str:
+def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str | ForcedCall:
     """ "none", "auto", "required", or the name of the function the answer must call: as
     OpenAI names it (`{"type": "function", "function": {"name"}}`), or by itself, as TGI
     reads any other text (InferenceClient's `tool_choice="get_weather"`)."""
@@ -446,49 +463,50 @@ def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str:
         and function["name"]
         and value.get("type", "function") == "function"
     ):
-        return str(function["name"])
+        return ForcedCall(function["name"])
     raise BadRequest(
         f'"{name}" must be "none", "auto", "required" or {{"type": "function", "function": '
         '{"name": ...}}'
     )
 
 
-def read_function_call(name: str, value: Any, context: DocContext | None) -> str:
+def read_function_call(name: str, value: Any, context: DocContext | None) -> str | ForcedCall:
     """OpenAI's older `function_call`: "none", "auto", or `{"name": ...}`, the function the
     answer must call."""
     if value in ("none", "auto"):
         return str(value)
     if isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"]:
-        return str(value["name"])
+        return ForcedCall(value["name"])
     raise BadRequest(f'"{name}" must be "none", "auto" or {{"name": ...}}')
 
 
 def chat_tools(
     functions: list[dict[str, Any]] | None,
-    choice: str | None,
+    choice: str | ForcedCall | None,
     parallel: bool = False,
     older: bool = False,
 ) -> Tools | None:
     """The tools a chat's answer may call; None where it calls none. `older`: asked as
     `functions` and `function_call` (one call an answer)."""
     choice_field, offered = ("function_call", "functions") if older else ("tool_choice", "tools")
+    forced = isinstance(choice, ForcedCall)
+    named = choice.name if isinstance(choice, ForcedCall) else choice
     if not functions:
-        if choice not in (None, "none", "auto"):
+        if forced or named not in (None, "none", "auto"):
             raise BadRequest(
-                f'"{choice_field}" is {choice!r}, and the request offers no {offered}',
+                f'"{choice_field}" is {named!r}, and the request offers no {offered}',
                 param=choice_field,
             )
         return None
-    choice = choice or "auto"
-    if choice not in ("auto", "required", "none") and choice not in (
-        function["name"] for function in functions
-    ):
+    named = named or "auto"
+    tools = Tools(functions, named, older=older, forced=forced)
+    if tools.mode == "function" and named not in (function["name"] for function in functions):
         raise BadRequest(
-            f'"{choice_field}" names {choice}, which is not among the {offered}', param=choice_field
+            f'"{choice_field}" names {named}, which is not among the {offered}', param=choice_field
         )
     # a function named is called once (OpenAI's "forced function": exactly one call)
-    several = parallel and not older and choice in ("auto", "required")
-    return Tools(functions, choice, parallel=several, older=older)
+    several = parallel and not older and tools.mode in ("auto", "required")
+    return replace(tools, parallel=several)
 
 
 class WrittenNumber(str):
