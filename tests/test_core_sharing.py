@@ -19,11 +19,10 @@ def executor(devices=("cpu", "cpu"), share_cores=True, cores=4, core_share=None)
 
 
 def start(shared: WorkerPool, index: int, size: int) -> int | None:
-    """What `_send` does: pick the threads, then the worker is busy."""
+    """What `_send` does: the worker is busy, then it asks for its threads."""
     worker = shared.workers[index]
-    threads = shared._threads_for(worker, size)
     worker.state = WorkerState.BUSY
-    return threads
+    return shared._threads_for(worker, size)
 
 
 def test_busy_workers_take_an_even_share_of_the_cores():
@@ -90,6 +89,23 @@ def test_a_lone_item_holds_the_cores_for_a_bounded_time_then_the_others_take_the
 
     held, after, woken = asyncio.run(scenario())
     assert (held, after) == (0, 1) and woken
+
+
+def test_a_lone_item_gets_every_core_though_its_own_worker_already_counts_as_busy():
+    """A worker is marked busy before it asks for its threads: counted among the busy
+    others, every lone item ran on its even share, the low-load latency lost."""
+    core_share = CoreShare(4)
+    asking = executor(core_share=core_share).workers[0]
+    asking.state = WorkerState.BUSY
+    assert core_share.threads_for(asking, 1) == (4, True)
+
+
+def test_a_batch_of_two_takes_the_even_share_not_every_core():
+    """Only a lone item takes every core: a batch of two holding them would keep the
+    other workers idle while the queue waits."""
+    core_share = CoreShare(4)
+    asking = executor(core_share=core_share).workers[0]
+    assert core_share.threads_for(asking, 2) == (2, False)
 
 
 def test_a_lone_item_while_another_worker_is_busy_gets_its_share_only():

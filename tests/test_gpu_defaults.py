@@ -105,12 +105,49 @@ def test_the_gpu_workers_and_info_say_which_limits_and_why(gpu):
         (("cpu", "cpu"), True, False),
         (("auto",), True, True),
         (("auto",), False, False),
+        (("auto", "cpu"), True, True),  # auto beside the CPU still looks for a GPU
+        (("auto", "cpu"), False, False),
         (("cuda:1",), False, True),
         (("cpu", "cuda:0"), False, True),
     ],
 )
 def test_which_devices_are_a_gpu(devices, present, gpu):
     assert layout.on_gpu(devices, lambda: present) is gpu
+
+
+@pytest.mark.parametrize(
+    ("devices", "present", "device"),
+    [
+        (None, True, "cuda"),
+        (None, False, "cpu"),
+        (("auto",), True, "cuda"),
+        (("auto",), False, "cpu"),
+        (("auto", "mps"), False, "mps"),
+        (("cpu", "cuda:1"), False, "cuda:1"),
+    ],
+)
+def test_an_engine_is_judged_for_the_device_auto_resolves_to(devices, present, device):
+    """`auto` is no device of its own: judged for it, --device auto on a machine with no
+    GPU refused the ONNX engine, which runs on the CPU ("not on auto")."""
+    assert layout.engine_device(devices, lambda: present) == device
+
+
+@pytest.mark.parametrize(("torch", "gpu"), [("2.4.1+cpu", False), ("2.4.1+cu121", True)])
+def test_a_cpu_build_of_torch_is_known_by_its_version_without_importing_it(monkeypatch, torch, gpu):
+    """The server never imports torch, so its distribution's version says a CPU build: a
+    GPU machine with one was planned as a GPU's, one worker with every core and a GPU's
+    batches, serving on the CPU. A handler's code may use the GPU all the same."""
+    from rawserve.shared import installed
+
+    version = installed.version
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: True)
+    monkeypatch.setattr(
+        installed, "version", lambda name: torch if name == "torch" else version(name)
+    )
+    monkeypatch.setenv("RAWSERVE_DEVICE", "")  # (no --device: the default layout)
+    model = parse_config([]).model
+    assert (model.max_batch_size == GPU_MAX_BATCH_SIZE) is gpu
+    assert layout.gpu_usable() is gpu and layout.gpu_usable(handler=True)
 
 
 @pytest.mark.parametrize(

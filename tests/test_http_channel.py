@@ -289,6 +289,28 @@ def test_a_board_is_removed_by_an_http_process_only_once_its_serving_process_is_
         zombie.wait()
 
 
+@pytest.mark.parametrize(
+    ("state", "stopped"),
+    [
+        ("T", True),
+        ("t", True),
+        ("R", False),
+        ("S", False),
+        ("D", False),
+        ("Z", False),
+        (None, False),
+    ],
+)
+def test_a_process_stopped_by_a_signal_or_a_debugger_is_stopped(monkeypatch, state, stopped):
+    """A worker at a debugger's tracing stop (`t`) runs no more than one sent SIGSTOP
+    (`T`): taken for a hang at --batch-timeout, its batch was answered 500 and its input
+    counted toward quarantine, not run again on another worker."""
+    from rawserve.shared import process_state
+
+    monkeypatch.setattr(process_state, "state_of", lambda pid: state)
+    assert process_state.is_stopped(1) is stopped
+
+
 def test_health_turns_503_in_every_http_process_once_the_serving_process_stops_writing():
     """A serving process stopped or stuck writes no board: /health through the HTTP
     processes must say so, as one process that stopped would not answer it."""
@@ -854,6 +876,59 @@ def test_a_worker_turning_busy_or_idle_sends_the_http_processes_no_status():
         return [m[2].workers[0].state for m in received if m[0] == "status"]
 
     assert asyncio.run(scenario()) == [WorkerState.IDLE, WorkerState.DEAD]
+
+
+def test_info_in_an_http_process_shows_each_worker_as_the_serving_process_sees_it_now():
+    """No status is sent as a worker turns busy or idle: /info asks for every model's
+    status now, and the answer stands for the one last sent (kept, /info said a worker
+    idle while it ran a batch)."""
+
+    async def scenario() -> tuple[WorkerState, WorkerState]:
+        board = Board.create(1)
+        serving = StatusOnly()
+        model = BridgedModel(serving, lambda: 1.0)  # type: ignore[arg-type]
+        bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        ours, theirs = socket.socketpair()
+        await link.connect(theirs)
+        await bridge.attach(0, 2, ours)  # told every model's status as it joins
+        while 0 not in link.statuses:
+            await asyncio.sleep(0.001)
+        sent = link.statuses[0][0].workers[0].state
+        serving.state = WorkerState.BUSY
+        await link.refresh()
+        link.channel.close()  # type: ignore[union-attr]
+        board.remove()
+        return sent, link.statuses[0][0].workers[0].state
+
+    sent, refreshed = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert (sent, refreshed) == (WorkerState.IDLE, WorkerState.BUSY)
+
+
+def test_the_ready_line_waits_only_until_every_http_process_has_read_the_state(monkeypatch):
+    """The serving process logs that it is ready once each HTTP process has answered its
+    ping (what was sent before is known there): unanswered, every start waited a whole
+    second more for pongs that never came."""
+    monkeypatch.setattr("rawserve.serving.bridge.COLLECT_SECONDS", 10.0)
+
+    async def scenario() -> tuple[float, bool]:
+        board = Board.create(1)
+        model = BridgedModel(StatusOnly(), lambda: 1.0)  # type: ignore[arg-type]
+        bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        ours, theirs = socket.socketpair()
+        await link.connect(theirs)
+        await bridge.attach(0, 2, ours)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await bridge.announce()
+        took = loop.time() - started
+        link.channel.close()  # type: ignore[union-attr]
+        board.remove()
+        return took, 0 in link.statuses
+
+    took, known = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert took < 5 and known  # (it waited out the 10 s)
 
 
 def test_an_http_process_is_listed_once_it_listens_not_when_it_attaches():

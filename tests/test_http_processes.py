@@ -185,6 +185,7 @@ def servers(request):
             "short_grace_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "1"]),
             "mid_body_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
             "stopped_http_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "20"]),
+            "idle_stopping_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "20"]),
         },
     ) as get:
         yield get
@@ -199,6 +200,7 @@ idle_draining_server = module_server("idle_draining_server")
 short_grace_server = module_server("short_grace_server")
 mid_body_server = module_server("mid_body_server")
 stopped_http_server = module_server("stopped_http_server")
+idle_stopping_server = module_server("idle_stopping_server")
 
 
 def test_both_http_processes_answer_and_info_lists_every_process(server):
@@ -494,6 +496,38 @@ def test_a_drain_answers_the_requests_whose_bodies_are_still_coming(mid_body_ser
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_drain_waits_for_a_body_still_coming_and_answers_once_it_is_in(processes):
+    """A client still uploading as the drain begins is not answered under its upload,
+    nor the server stopped under it: a drain that waited only for the requests the app
+    worked on answered 503 at once (a client that reads only once its body is sent saw
+    the connection reset)."""
+    body = json.dumps({"inputs": "a body sent in two parts"}).encode()
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    argv = [*SLEEPY, "--http-processes", processes, "--no-warmup", "--grace", "10"]
+    with RunningServer(argv) as server:
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        try:
+            client.sendall(head + body[:5])
+            time.sleep(0.5)  # its head read
+            server.signal(signal.SIGTERM)
+            server.wait_for_log(re.compile("SIGTERM received"), 10)
+            time.sleep(2.5)  # (a drain with nothing to wait for ended within 1 s)
+            client.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                early = client.recv(1)
+                pytest.fail(f"answered before its body came: {early!r}")
+            client.setblocking(True)
+            assert server.process.poll() is None, "the server stopped under an upload"
+            client.sendall(body[5:])
+            answer = read_to_the_end(client)
+            assert answer.startswith(b"HTTP/1.1 503"), answer[:80]
+        finally:
+            client.close()
+        assert server.process.wait(15) == 0
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
 def test_a_body_that_never_comes_is_answered_503_at_the_end_of_the_drain(processes):
     """A request whose body is still not in when the grace period ends is answered 503
     (`Connection: close`), as the README says of what is left then: it was closed with
@@ -542,6 +576,20 @@ def test_a_stopped_http_process_does_not_hold_the_drain_for_its_grace(stopped_ht
         if not gone(stopped):
             os.kill(stopped, signal.SIGCONT)
         server.stop()
+
+
+def test_an_idle_server_stops_at_once_and_kills_no_http_process(idle_stopping_server):
+    """With nothing under way, the end of the drain tells each HTTP process to close what
+    it holds and exit at once: those that drained on were killed ("did not stop: killing
+    it"), a false alarm in the log of every stop."""
+    server = idle_stopping_server  # --grace 20, nothing under way
+    try:
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(15) == 0  # (within its grace of 20 s)
+    finally:
+        server.stop()
+    log = server.read_log()
+    assert not [line for line in log if "did not stop: killing it" in line], log[-5:]
 
 
 def test_sigterm_while_the_http_processes_start_drains_instead_of_orphaning_the_workers():

@@ -537,30 +537,42 @@ def test_a_timer_that_dies_breaks_the_others_wait_at_once():
     assert start.broken
 
 
+class Unstarted:
+    """A timer process, never started (what it sent is `gathered`'s, faked)."""
+
+    exitcode = 0
+
+    def __init__(self, **kwargs: object) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
 def test_a_candidate_whose_timer_failed_has_no_figure(monkeypatch):
     """One of two per-core timers died after the other had timed its batch: the items a
     second of one worker are not the candidate's (one a core would be judged at half its
     figure, and that verdict kept); the trial cannot tell."""
-
-    class Unstarted:
-        """A timer process, never started (what it sent is `gathered`'s below)."""
-
-        exitcode = 0
-
-        def __init__(self, **kwargs: object) -> None:
-            pass
-
-        def start(self) -> None:
-            pass
-
-        def join(self, timeout: float | None = None) -> None:
-            pass
-
     monkeypatch.setattr(multiprocessing.get_context("spawn"), "Process", Unstarted)
     monkeypatch.setattr(
         layout_trial, "gathered", lambda readers, start, stop: [Timing(0.25, 1.0), None]
     )
     assert layout_trial.items_per_second(worker_config_stub(), 2, 8, threading.Event()) is None
+
+
+def test_a_candidates_figure_is_the_items_a_second_of_all_its_timers_together(monkeypatch):
+    """The per-core timers run side by side, each a worker: the candidate serves what
+    they all do. One timer's rate standing for all, one worker with every core won, and
+    that verdict was kept for every later start."""
+    monkeypatch.setattr(multiprocessing.get_context("spawn"), "Process", Unstarted)
+    timings = [Timing(0.25, 1.0), Timing(0.5, 0.75), Timing(0.5, 0.9)]
+    monkeypatch.setattr(layout_trial, "gathered", lambda readers, start, stop: timings)
+    found = layout_trial.items_per_second(worker_config_stub(), 3, 8, threading.Event())
+    assert found is not None
+    assert (found.items, found.cpu_share) == (8 / 0.25 + 8 / 0.5 + 8 / 0.5, 0.75)
 
 
 def test_timers_that_never_answer_are_given_up(monkeypatch):

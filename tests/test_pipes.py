@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from rawserve.serving.pool import WorkerPool
 from rawserve.serving.status import WorkerState
 from rawserve.shared.messages import NO_CONTROL, BatchResult, FailureKind, ItemFailure, WorkerConfig
-from rawserve.shared.pipes import MessageReader, MessageWriter
+from rawserve.shared.pipes import FIRST_BUFFER, KEEP_BUFFER, MessageReader, MessageWriter
 
 MESSAGES = [
     BatchResult(7, (np.arange(12, dtype=np.float32).reshape(1, 3, 4), {"label": "a"}), 0.5),
@@ -91,6 +91,30 @@ def test_a_message_that_cannot_be_held_ends_the_reading_but_not_what_came_before
     assert isinstance(reader.failure, MemoryError) and reader.closed
     assert reader.message_bytes == len(frames([TooLargeToHold()])) - 8
     assert reader.read(-1) == []  # nothing more is read (not even from a closed fd)
+
+
+def test_a_message_that_cannot_be_held_closes_the_reader_in_the_read_that_failed():
+    """The pool looks at `closed` right after `failure` to stop watching the pipe: left
+    open, the reader was read again, and the same message failed and was said again."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.write(write, frames([TooLargeToHold()]))  # (the worker's end still open)
+    reader = MessageReader()
+    try:
+        assert reader.read(read) == []
+        assert isinstance(reader.failure, MemoryError) and reader.closed
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_a_large_messages_buffer_is_let_go_once_it_is_read():
+    """A message past KEEP_BUFFER is read into a buffer of its own: kept, the server held
+    each worker's largest message (a long generation's outputs) for good."""
+    large = {"outputs": b"x" * (3 * KEEP_BUFFER)}
+    got, reader = read_in_pieces(frames([large, MESSAGES[1]]), [])
+    assert got == [large, MESSAGES[1]]
+    assert len(reader._buffer) == FIRST_BUFFER
 
 
 class Pipe:
