@@ -68,6 +68,22 @@ def test_dimensions_keep_the_first_of_the_dense_layer_s_numbers(dense_model, ref
         np.testing.assert_allclose(vectors[0], expected.numpy(), atol=1e-5)
 
 
+def test_dimensions_may_be_the_whole_size_and_cut_token_vectors_too(dense_model, reference):
+    """A client asking for every number (OpenAI's `dimensions` set to the model's size)
+    was refused; token vectors (pooling none) came back whole, `dimensions` ignored."""
+    from rawserve.worker.loading import load_runner
+
+    serving = load_runner(worker_config(dense_model, dtype="float32"), "cpu")
+    whole = reference.encode(TEXTS, normalize_embeddings=True)
+    np.testing.assert_allclose(np.array(serving.run(TEXTS, {"dimensions": 16})), whole, atol=1e-5)
+    tokens = reference.encode(TEXTS, output_value="token_embeddings")
+    served = serving.run(TEXTS, {"pooling": "none", "normalize": False, "dimensions": 4})
+    for vectors, expected in zip(served, tokens, strict=True):
+        assert vectors.shape == (1, len(expected), 4)
+        np.testing.assert_allclose(vectors[0], expected.numpy()[:, :4], atol=1e-5)
+    assert serving.run(TEXTS, {"pooling": "none", "dimensions": 32})[0].shape[-1] == 32
+
+
 @pytest.mark.parametrize(
     ("options", "safe_serialization"),
     [
@@ -97,6 +113,45 @@ def test_a_dense_layer_of_each_form_computes_as_sentence_transformers_own(
     with torch.inference_mode():
         expected = saved({"sentence_embedding": vectors})["sentence_embedding"]
         torch.testing.assert_close(layer(vectors), expected)
+
+
+def test_dense_modules_in_a_row_each_take_the_numbers_of_the_one_before(tmp_path):
+    """sentence-t5's and GTR's folders may hold two Dense layers (768 -> 3072 -> 768, say):
+    the second one was checked against, and given, the model's vectors."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rawserve.models.sentence_folder import DenseModule
+    from rawserve.worker.dense_layers import load_dense_layers
+
+    torch.manual_seed(0)
+    first, second = torch.randn(16, 32), torch.randn(8, 16)
+    for name, weight in (("2_Dense", first), ("3_Dense", second)):
+        (tmp_path / name).mkdir()
+        save_file({"linear.weight": weight}, tmp_path / name / "model.safetensors")
+    modules = (
+        DenseModule("2_Dense", 32, 16, bias=False, activation="Identity"),
+        DenseModule("3_Dense", 16, 8, bias=False, activation="Identity"),
+    )
+    one, two = load_dense_layers(tmp_path, modules, 32, "cpu")
+    vectors = torch.randn(3, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(two(one(vectors)), vectors @ first.T @ second.T)
+
+
+def test_a_dense_module_s_safetensors_are_read_before_a_bin_beside_them(tmp_path):
+    """sentence-transformers reads model.safetensors where both are saved: a stale or
+    broken pytorch_model.bin beside it stopped the start, or gave other vectors."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rawserve.worker.dense_layers import read_weights
+
+    (tmp_path / "2_Dense").mkdir()
+    weight = torch.ones(16, 32)
+    save_file({"linear.weight": weight}, tmp_path / "2_Dense" / "model.safetensors")
+    (tmp_path / "2_Dense" / "pytorch_model.bin").write_bytes(b"\x80\x04 not whole")
+    assert torch.equal(read_weights(tmp_path / "2_Dense")["linear.weight"], weight)
 
 
 def test_dense_weights_that_do_not_fit_their_config_stop_the_start_saying_which(tmp_path):

@@ -704,6 +704,51 @@ def test_a_template_that_writes_tools_otherwise_has_them_not_counted(tiny_model)
     assert not runner.details["chat_tools_json"]
 
 
+@pytest.mark.parametrize(("template", "written"), [(None, True), (STRINGS_ONLY, False)])
+def test_a_worker_reports_whether_its_template_writes_lists_of_parts(tiny_model, template, written):
+    """The server counts the texts of a list of parts only where the template writes
+    them: uncounted under one that does, a chat of parts past the context length was
+    queued for the worker to refuse, instead of refused at once."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, chat_template=template)
+    assert runner.details["chat_parts_written"] is written
+
+
+def test_a_role_a_template_writes_in_some_places_only_is_not_counted(tiny_model):
+    """A system message written only where it comes first was counted wherever it
+    stands: one after the first turns, which the template leaves out, got a chat that
+    fitted refused as too long."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    first_only = (
+        "{% for m in messages %}{% if m.role != 'system' or loop.first %}<s>{{ m.content }}"
+        "</s>{% endif %}{% endfor %}"
+    )
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, chat_template=first_only)
+    assert "system" not in runner.details["chat_counted_roles"]
+    assert {"user", "assistant"} <= set(runner.details["chat_counted_roles"])
+
+
+def test_tools_a_template_writes_as_indented_json_are_counted_as_json(tiny_model):
+    """Llama 3.1's template writes each tool with tojson(indent=4): its tools went
+    uncounted, and a chat its tools made too long was queued for the worker to refuse."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    indented = (
+        "{% for t in tools or [] %}{{ t | tojson(indent=4) }}\n{% endfor %}"
+        "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    )
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, chat_template=indented)
+    assert runner.details["chat_tools_json"] is True
+
+
 def test_the_server_never_counts_more_than_the_template_renders(chat_runner):
     """The server's count is a lower bound of the rendered prompt's tokens: a chat it
     lets by by a token is still one the template makes at least that long."""

@@ -143,6 +143,19 @@ def test_a_megabyte_text_is_embedded_from_a_few_pieces_as_the_whole_text(runner,
         np.testing.assert_allclose(found["embedding"], whole["embedding"], atol=1e-6)
 
 
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_token_ids_past_the_model_s_length_are_cut_from_the_side_asked(runner, direction):
+    """As a text's tokens are: `truncation_direction` left keeps the last ids, right the
+    first; ids cut from the other end answered the vector of another input."""
+    serving = runner("feature-extraction")
+    most = serving.max_length
+    ids = [5] * 40 + [6 + (i % 17) for i in range(most)]
+    kept = ids[-most:] if direction == "left" else ids[:most]
+    [cut] = serving.run([ids], {"pooling": "mean", "truncation_direction": direction})
+    [expected] = serving.run([kept], {"pooling": "mean"})
+    np.testing.assert_allclose(np.asarray(cut), np.asarray(expected), atol=1e-6)
+
+
 def test_a_long_text_is_still_refused_where_it_is_not_truncated(runner):
     serving = runner("sentence-embedding")
     with pytest.raises(ValueError, match="send truncate: true"):

@@ -1361,6 +1361,40 @@ def test_an_export_process_killed_is_said_by_its_signal_and_not_kept_against_the
     assert not any(cache.glob(f"**/{engine_trial.UNLOADABLE_PREFIX}*"))
 
 
+def test_an_export_process_that_ends_well_without_a_word_is_said_by_its_exit_code(
+    tmp_path, monkeypatch
+):
+    """A process that exited 0 and left no outcome was said to have ended by "signal 0":
+    a reader of the worker's log went looking for a kill that never happened."""
+    from rawserve.worker import onnx_engine
+
+    silent = tmp_path / "silent-python"
+    silent.write_text("#!/bin/sh\nexit 0\n")
+    silent.chmod(0o755)
+    monkeypatch.setattr(onnx_engine.sys, "executable", str(silent))
+    head = onnx_engine.HEADS["text-classification"]
+    with pytest.raises(onnx_engine.ExportInterrupted, match=r"without a word \(exit code 0\)$"):
+        onnx_engine.export(tmp_path, head, tmp_path / "model.onnx")
+
+
+@pytest.mark.parametrize(
+    ("exc", "message"),
+    [
+        (OSError(28, "No space left on device"), "[Errno 28] No space left on device"),
+        (OSError("the disk went away"), "[Errno 5] the disk went away"),  # no errno of its own
+    ],
+)
+def test_an_export_process_s_os_error_crosses_to_the_worker_as_one(exc, message):
+    """An OSError with no number (one a library raised with its message alone) could not be
+    raised again: the worker failed on the retelling, not with the disk's fault."""
+    from rawserve.worker import onnx_engine
+    from rawserve.worker.export_process import described
+
+    raised = onnx_engine.raised_again(json.loads(json.dumps(described(exc))))
+    assert onnx_engine.failure_name(raised) == "OSError"
+    assert str(raised) == message
+
+
 @pytest.mark.parametrize(
     ("told", "kind", "message"),
     [

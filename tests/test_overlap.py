@@ -13,6 +13,7 @@ import pytest
 
 from rawserve.serving import supervision
 from rawserve.serving.core import SchedulerCore
+from rawserve.serving.cores import CoreShare
 from rawserve.serving.driver import Scheduler
 from rawserve.serving.pool import WorkerPool
 from rawserve.serving.refusals import Reason, Refused
@@ -306,3 +307,41 @@ async def test_the_second_batch_waits_until_the_running_one_is_near_its_end(monk
         assert [result.outputs[0]["batch"] for result in results] == [1, 1]
     finally:
         await pool.shutdown()
+
+
+async def test_the_batch_behind_another_is_timed_from_when_the_model_was_free_for_it(
+    faulty_pool,
+):
+    """Timed from its arrival, the second batch counted the first one's run as its own:
+    the scheduler's cost model learnt batches twice as long as they are."""
+    first = faulty_pool.submit(["a"], {"sleep": 1.0})
+    second = faulty_pool.submit(["b"], {"sleep": 0.2})
+    assert faulty_pool.workers[0].queued is not None  # both in the worker at once
+    one, two = await asyncio.wait_for(asyncio.gather(first, second), 60)
+    assert one.compute_seconds >= 1.0
+    assert 0.2 <= two.compute_seconds < 0.8  # its own run, not the 1.2 s since it came
+
+
+THREADS_HANDLER = (
+    "import torch\n"
+    "def make():\n"
+    "    return lambda inputs, **params: [torch.get_num_threads() for _ in inputs]\n"
+)
+
+
+async def test_a_batch_runs_on_the_threads_it_is_sent_with(tmp_path, monkeypatch):
+    """A lone item at low load is sent with every core's threads (`share_cores`): the
+    worker kept its own share, and the item ran on one core of two."""
+    name = f"threads_handler_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(THREADS_HANDLER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = WorkerConfig(model="", handler=f"{name}:make", threads=1)
+    pool = WorkerPool(config, ["cpu"], share_cores=True, core_share=CoreShare(2))
+    pool.start()
+    try:
+        await asyncio.wait_for(pool.wait_ready(), 120)
+        result = await asyncio.wait_for(pool.submit(["a"], {}), 60)
+        assert list(result.outputs) == [2]
+    finally:
+        await pool.shutdown(wait=False)

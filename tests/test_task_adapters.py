@@ -2718,7 +2718,16 @@ def test_a_handler_whose_import_fails_deep_down_is_told_where(monkeypatch, tmp_p
     )
 
 
-def test_a_handler_module_not_found_says_where_it_was_looked_for(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    ("handler", "missing"),
+    [
+        ("nosuchmod_of_this_test:handler", "nosuchmod_of_this_test"),
+        ("nosuchpkg_of_this_test.handlers:make", "nosuchpkg_of_this_test"),  # its package
+    ],
+)
+def test_a_handler_module_not_found_says_where_it_was_looked_for(
+    monkeypatch, tmp_path, handler, missing
+):
     """Its line said only "No module named 'nosuchmod'", once a worker and once more for
     the server: a new user could not tell that the server's folder was the one looked in."""
     from rawserve.worker.handler import HandlerRunner
@@ -2726,9 +2735,9 @@ def test_a_handler_module_not_found_says_where_it_was_looked_for(monkeypatch, tm
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModuleNotFoundError) as caught:
-        HandlerRunner("nosuchmod_of_this_test:handler", "cpu")
+        HandlerRunner(handler, "cpu")
     message = load_failed(caught.value).message
-    assert f"no module named 'nosuchmod_of_this_test' in {tmp_path}" in message, message
+    assert f"no module named '{missing}' in {tmp_path}" in message, message
     assert "PYTHONPATH" in message
 
 

@@ -267,12 +267,15 @@ def test_no_warmup_reports_ready_without_it(unwarmed_server):
         assert server.post_json({"inputs": "i like it"})[0] == 200
 
 
-def failing(error: Exception, alone_too: bool = True):
-    """A runner's `run` that raises `error` on a batch (and on one input, `alone_too`)."""
+def failing(error: Exception, alone_too: bool | Exception = True):
+    """A runner's `run` that raises `error` on a batch (and on one input, `alone_too`:
+    that error, where it is one)."""
 
     def run(inputs, params, control=None):
-        if len(inputs) > 1 or alone_too:
+        if len(inputs) > 1 or alone_too is True:
             raise error
+        if isinstance(alone_too, Exception):
+            raise alone_too
         return [{"label": "POSITIVE", "score": 1.0}]
 
     return run
@@ -300,6 +303,11 @@ def test_a_model_that_fails_its_tasks_example_stops_the_start(runner, monkeypatc
         (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"), True),
         (RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'"), True),
         (TypeError("a batch of the maximum size failed"), False),  # one input runs
+        # one input fails otherwise: the batch's TypeError is no sign that every input fails
+        (
+            TypeError("a batch of the maximum size failed"),
+            RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        ),
     ],
 )
 def test_a_warm_up_that_fails_otherwise_is_logged_and_the_model_serves(
