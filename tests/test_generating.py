@@ -342,6 +342,37 @@ def test_a_byte_token_that_is_a_whole_character_lists_it_on_both_paths(llama, st
             assert [b for t in content for b in t["bytes"]] == list("".join(texts).encode())
 
 
+def test_tokens_a_cancel_cut_inside_a_run_of_byte_tokens_are_still_listed(llama):
+    """A client that leaves stops `generate` where it is: a byte token it ends on waits
+    for its run's end, which never comes, and was dropped from the details, which then
+    listed fewer tokens than were made. It is listed, its text as the row ends there."""
+    import torch
+
+    from rawserve.worker.generate_hooks import TokenWatcher
+
+    tokenizer = llama.tokenizer
+    word, first_byte = tokenizer.convert_tokens_to_ids(["▁goo", "<0xE2>"])
+    gone: list[bool] = []
+    watcher = TokenWatcher(
+        tokenizer,
+        set(),
+        prompt_length=0,
+        batch_size=1,
+        stop=[],
+        recorder=SimpleNamespace(logprobs=None),
+        keep_tokens=True,
+        cancelled=lambda: bool(gone),
+    )
+    watcher(torch.tensor([[word]]), None)
+    gone.append(True)  # the client left
+    watcher(torch.tensor([[word, first_byte]]), None)
+    assert watcher.finish_reasons == ["cancelled"]
+    assert [token["id"] for token in watcher.tokens[0]] == [word]  # the byte waits
+    watcher.let_out_the_rest()
+    assert [token["id"] for token in watcher.tokens[0]] == [word, first_byte]
+    assert watcher.tokens[0][1]["text"] == "\ufffd"
+
+
 def as_the_static_path(runner, params: dict[str, Any], texts: list[str]) -> list[tuple]:
     """Each text a batch of its own, all served by the loop at once, each answer checked
     against the static path's (log probabilities aside): (text, answer, static answer)."""
@@ -402,6 +433,20 @@ def test_a_streamed_token_carries_its_likeliest_tokens(runner):
     plain = serve(runner, {0: [Batch(1, ("the movie was",), GREEDY, control=Control(stream_id=4))]})
     assert not any("top_tokens" in c.token for m in plain if isinstance(m, TokenChunks)
                    for c in m.chunks)  # fmt: skip
+
+
+def test_a_special_token_among_the_likeliest_is_said_to_be_special_on_the_static_path(runner):
+    """TGI's top_tokens flag a special token, as the chosen token's entry does: a client
+    that leaves special tokens out of what it shows (an end of sequence among the
+    alternatives) would show it as a word."""
+    from rawserve.worker.generate_hooks import top_tokens
+
+    tokenizer = runner.tokenizer
+    eos = tokenizer.eos_token_id
+    word = tokenizer("the", add_special_tokens=False)["input_ids"][0]
+    listed = top_tokens(tokenizer, set(tokenizer.all_special_ids), [(eos, -0.1), (word, -2.0)])
+    assert [token["special"] for token in listed] == [True, False]
+    assert listed[0]["text"] == tokenizer.decode([eos])
 
 
 def prompt_logprobs_in_process(runner, text: str) -> list[float]:
@@ -665,6 +710,38 @@ def test_the_static_paths_watcher_keeps_no_more_of_a_rows_text_than_its_stops_ne
     assert not any(watcher.done)
     assert "film was bad" in runner.tokenizer.decode(watcher.token_ids[0])
     assert "film was bad" not in repr(vars(watcher))
+
+
+def test_the_static_paths_sampled_token_lists_its_own_log_probability_not_the_likeliests(
+    runner,
+):
+    """A sampled token is often not the likeliest: the details' logprob (and OpenAI's
+    logprobs, read from it) must be the chosen token's, or every token of a sampled
+    answer would claim the likeliest token's odds."""
+    import torch
+
+    from rawserve.worker.generate_hooks import TokenWatcher
+
+    tokenizer = runner.tokenizer
+    likeliest, chosen = tokenizer("the movie", add_special_tokens=False)["input_ids"][:2]
+    scores = torch.zeros(1, len(tokenizer))
+    scores[0, likeliest] = 5.0
+    recorder = SimpleNamespace(logprobs=scores.log_softmax(-1))
+    watcher = TokenWatcher(
+        tokenizer,
+        set(),
+        prompt_length=0,
+        batch_size=1,
+        stop=[],
+        recorder=recorder,
+        keep_tokens=True,
+    )
+    watcher(torch.tensor([[chosen]]), None)
+    watcher.let_out_the_rest()
+    [token] = watcher.tokens[0]
+    assert token["id"] == chosen
+    assert token["logprob"] == pytest.approx(recorder.logprobs[0, chosen].item())
+    assert token["logprob"] < recorder.logprobs[0, likeliest].item()
 
 
 def test_the_static_paths_step_reads_its_rows_log_probabilities_back_at_once(runner, monkeypatch):
@@ -1853,6 +1930,22 @@ def test_a_top_p_too_small_to_keep_any_mass_keeps_the_likeliest_token():
     row = SimpleNamespace(temperature=1.0, top_k=None, top_p=1e-9, min_p=None, typical_p=None)
     got = sampling_probabilities(logits, [row])[0]
     assert got.tolist() == torch.nn.functional.one_hot(logits[0].argmax(), 400).float().tolist()
+
+
+@pytest.mark.parametrize("top_k", [6, 1000])
+def test_a_top_k_as_large_as_the_vocabulary_keeps_every_token(top_k):
+    """As transformers' TopKLogitsWarper: a top_k of the vocabulary's size or more draws
+    from every token; cutting the least likely one off changed every sampled answer's
+    odds."""
+    import torch
+
+    from rawserve.worker.scores import sampling_probabilities
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5, 0.0, -1.0]])
+    row = SimpleNamespace(temperature=1.0, top_k=top_k, top_p=None, min_p=None, typical_p=None)
+    got = sampling_probabilities(logits, [row])
+    assert int((got > 0).sum()) == 6
+    torch.testing.assert_close(got, logits.softmax(-1))
 
 
 def test_typical_keeps_every_token_where_their_probability_never_reaches_the_mass():
@@ -3183,6 +3276,38 @@ def test_a_lone_joiner_out_of_memory_beside_running_rows_waits_for_them(runner, 
     answered = results(sent)
     assert answered[1].outputs == (static(runner, "the movie was", params),)
     assert answered[2].outputs == (static(runner, "a good film", params),)
+
+
+def test_a_joiner_out_of_memory_beside_running_rows_halves_the_rows_and_joiners_together(
+    runner, monkeypatch
+):
+    """The memory ran out for the rows running and the prompt joining them together: the
+    cap is half of all of them, as the static path halves a batch. Counting the joiner
+    alone lowered a busy worker to one sequence at a time for the batches after."""
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 6, "do_sample": False}
+    running = Batch(1, ("the movie was", "a good film", "hello there", "the film was"), params)
+    joining = Batch(2, ("good bad",), params)
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    forward = runner.model.forward
+    beside: list[int] = []  # the rows running when the joiner's prefill ran out of memory
+
+    def out_of_memory_once_beside_rows(*args, **kwargs):
+        import torch
+
+        if kwargs["input_ids"].shape[1] > 1 and loop.batcher.rows and not beside:
+            beside.append(len(loop.batcher.rows))
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", out_of_memory_once_beside_rows)
+    loop.run(Script({0: [running], 2: [joining]}))
+    monkeypatch.undo()
+    assert beside == [4]
+    assert loop.cap.limit == (4 + 1) // 2
+    assert results(sent)[2].outputs == (static(runner, "good bad", params),)
 
 
 def test_rows_lowered_below_those_running_let_none_join_until_they_leave(runner):

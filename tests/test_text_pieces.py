@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from rawserve.worker.text_pieces import (  # noqa: E402
     TextPieces,
     alternative_text,
+    byte_values,
     generated_text,
     prompt_context,
     text_decoder,
@@ -224,6 +225,20 @@ def test_the_first_word_keeps_its_space_after_a_one_word_prompt_or_one_a_special
         assert generated_text(tokenizer, good, context) == " goo"
 
 
+def test_a_prompts_end_that_clean_up_changes_leaves_the_generated_text_whole():
+    # a GPT-2 config that forces clean-up turns " ." into ".": decoded after the prompt's
+    # last token (a space), the text no longer starts with that token's text, and cutting
+    # its length off anyway lost the answer's first character
+    tokenizer = bpe_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = True
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    setattr(tokenizer, forced, True)
+    context = prompt_context(tokenizer, tokenizer.encode("the movie ", add_special_tokens=False))
+    assert tokenizer.decode(context) == " "
+    ids = tokenizer.encode(". good", add_special_tokens=False)
+    assert generated_text(tokenizer, ids, context) == ". good"
+
+
 @pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
 def test_a_steps_decoding_reads_a_few_tokens_however_long_the_text_has_grown(build):
     # the window slides on with each piece: decoding the whole text at every token costs
@@ -254,6 +269,15 @@ def test_an_alternative_reads_as_it_would_where_chosen():
 @functools.cache
 def _tokenizers(build):
     return build()
+
+
+def test_a_tokenizer_without_byte_tokens_has_none_though_their_names_read_as_its_unk_token():
+    # a byte-level BPE has no <0xFF>: the name reads as <unk>, which is no byte (taken
+    # for one, an <unk> made waited as though a run of bytes went on, then read U+FFFD)
+    tokenizer = _tokenizers(bpe_tokenizer)
+    unknown = tokenizer.unk_token_id
+    assert unknown is not None and tokenizer.convert_tokens_to_ids("<0xFF>") == unknown
+    assert byte_values(tokenizer) == {}
 
 
 @pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
