@@ -342,27 +342,33 @@ def test_a_byte_token_that_is_a_whole_character_lists_it_on_both_paths(llama, st
             assert [b for t in content for b in t["bytes"]] == list("".join(texts).encode())
 
 
+def listing_watcher(tokenizer, logprobs, cancelled=lambda: False):
+    """The static path's watcher of one row, listing its tokens (`logprobs`: the last
+    step's, as its recorder holds them)."""
+    from rawserve.worker.generate_hooks import TokenWatcher
+
+    return TokenWatcher(
+        tokenizer,
+        set(),
+        prompt_length=0,
+        batch_size=1,
+        stop=[],
+        recorder=SimpleNamespace(logprobs=logprobs),
+        keep_tokens=True,
+        cancelled=cancelled,
+    )
+
+
 def test_tokens_a_cancel_cut_inside_a_run_of_byte_tokens_are_still_listed(llama):
     """A client that leaves stops `generate` where it is: a byte token it ends on waits
     for its run's end, which never comes, and was dropped from the details, which then
     listed fewer tokens than were made. It is listed, its text as the row ends there."""
     import torch
 
-    from rawserve.worker.generate_hooks import TokenWatcher
-
     tokenizer = llama.tokenizer
     word, first_byte = tokenizer.convert_tokens_to_ids(["▁goo", "<0xE2>"])
     gone: list[bool] = []
-    watcher = TokenWatcher(
-        tokenizer,
-        set(),
-        prompt_length=0,
-        batch_size=1,
-        stop=[],
-        recorder=SimpleNamespace(logprobs=None),
-        keep_tokens=True,
-        cancelled=lambda: bool(gone),
-    )
+    watcher = listing_watcher(tokenizer, None, cancelled=lambda: bool(gone))
     watcher(torch.tensor([[word]]), None)
     gone.append(True)  # the client left
     watcher(torch.tensor([[word, first_byte]]), None)
@@ -720,28 +726,18 @@ def test_the_static_paths_sampled_token_lists_its_own_log_probability_not_the_li
     answer would claim the likeliest token's odds."""
     import torch
 
-    from rawserve.worker.generate_hooks import TokenWatcher
-
     tokenizer = runner.tokenizer
     likeliest, chosen = tokenizer("the movie", add_special_tokens=False)["input_ids"][:2]
     scores = torch.zeros(1, len(tokenizer))
     scores[0, likeliest] = 5.0
-    recorder = SimpleNamespace(logprobs=scores.log_softmax(-1))
-    watcher = TokenWatcher(
-        tokenizer,
-        set(),
-        prompt_length=0,
-        batch_size=1,
-        stop=[],
-        recorder=recorder,
-        keep_tokens=True,
-    )
+    logprobs = scores.log_softmax(-1)
+    watcher = listing_watcher(tokenizer, logprobs)
     watcher(torch.tensor([[chosen]]), None)
     watcher.let_out_the_rest()
     [token] = watcher.tokens[0]
     assert token["id"] == chosen
-    assert token["logprob"] == pytest.approx(recorder.logprobs[0, chosen].item())
-    assert token["logprob"] < recorder.logprobs[0, likeliest].item()
+    assert token["logprob"] == pytest.approx(logprobs[0, chosen].item())
+    assert token["logprob"] < logprobs[0, likeliest].item()
 
 
 def test_the_static_paths_step_reads_its_rows_log_probabilities_back_at_once(runner, monkeypatch):
