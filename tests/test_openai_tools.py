@@ -12,8 +12,10 @@ import jsonschema
 import pytest
 
 from rawserve.api.openai_tools import (
+    FUNCTION_CALL,
     MAX_TOOLS,
     NO_ARGUMENTS,
+    TOOL_CHOICE,
     WORDS,
     ForcedCall,
     StreamedWords,
@@ -127,6 +129,7 @@ def test_a_tool_choice_names_a_function_as_openai_or_tgi_writes_it():
     for refused in ("", 3, {"type": "file_search"}, empty):
         with pytest.raises(BadRequest, match='"tool_choice" must be'):
             read_tool_choice("tool_choice", refused, None)
+        assert not jsonschema.Draft202012Validator(TOOL_CHOICE).is_valid(refused)
 
 
 @pytest.mark.parametrize("mode", ["none", "auto", "required"])
@@ -187,6 +190,10 @@ def test_the_older_functions_and_the_choice_among_them():
     for refused in ("required", {"name": ""}):
         with pytest.raises(BadRequest, match='"function_call" must be'):
             read_function_call("function_call", refused, None)
+        assert not jsonschema.Draft202012Validator(FUNCTION_CALL).is_valid(refused)
+    # a function forced by name is named so, where none is offered ("auto" is taken)
+    with pytest.raises(BadRequest, match='"function_call" names the function .auto., and the'):
+        chat_tools(None, ForcedCall("auto"), older=True)
     with pytest.raises(BadRequest, match='"function_call" names time, which is not among the f'):
         chat_tools([WEATHER], "time", older=True)
     with pytest.raises(BadRequest, match='"function_call" is .weather., and the request offers'):
@@ -508,6 +515,7 @@ def test_an_answer_that_calls_a_tool_is_one_the_published_document_describes(old
     answer = {"id": "c", "object": "chat.completion", "created": 1, "model": "m"}
     jsonschema.validate({**answer, "choices": [choice], "usage": usage}, OPENAI_CHAT_RESPONSE)
     last = {"index": 0, "delta": {}, "finish_reason": finish}
-    jsonschema.validate(
-        {**answer, "object": "chat.completion.chunk", "choices": [last]}, OPENAI_CHAT_CHUNK
-    )
+    # (with `include_usage`, every chunk but the last carries "usage": null, as OpenAI's)
+    chunk = {**answer, "object": "chat.completion.chunk", "choices": [last], "usage": None}
+    jsonschema.validate(chunk, OPENAI_CHAT_CHUNK)
+    jsonschema.validate({**chunk, "choices": [], "usage": usage}, OPENAI_CHAT_CHUNK)

@@ -79,13 +79,17 @@ TOOL_CHOICE: Schema = {
         {"enum": ["none", "auto", "required", None]},
         {"type": "string", "minLength": 1, "description": "a function's name (TGI's)"},
         # (its "type" may be left out, as vLLM takes it)
-        {**typed_function({"name": {"type": "string"}}), "required": ["function"]},
+        {**typed_function({"name": {"type": "string", "minLength": 1}}), "required": ["function"]},
     ]
 }
 FUNCTION_CALL: Schema = {
     "anyOf": [
         {"enum": ["none", "auto", None]},
-        {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+        {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string", "minLength": 1}},
+        },
     ]
 }
 # a function without parameters takes none (OpenAI: "an empty parameter list")
@@ -493,8 +497,9 @@ def chat_tools(
     named = choice.name if isinstance(choice, ForcedCall) else choice
     if not functions:
         if forced or named not in (None, "none", "auto"):
+            said = f"names the function {named!r}" if forced else f"is {named!r}"
             raise BadRequest(
-                f'"{choice_field}" is {named!r}, and the request offers no {offered}',
+                f'"{choice_field}" {said}, and the request offers no {offered}',
                 param=choice_field,
             )
         return None

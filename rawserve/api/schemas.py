@@ -265,7 +265,10 @@ def completion_object(kind: str, choice: Schema, with_usage: bool = True) -> Sch
             "created": {"type": "integer"},
             "model": {"type": "string"},
             "choices": {"type": "array", "items": choice},
-            "usage": GENERATION_USAGE,
+            # (a stream's chunks carry null, but its last with `include_usage`)
+            "usage": GENERATION_USAGE
+            if with_usage
+            else {"anyOf": [GENERATION_USAGE, {"type": "null"}]},
         },
     }
 
