@@ -864,7 +864,7 @@ def check_values(
     for name in ("keepalive_timeout", "head_timeout", "body_timeout", "write_timeout"):
         if getattr(args, name) <= 0:  # (one message for the four blamed a variable set well)
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.stream_keepalive != 0 and not args.stream_keepalive >= MIN_STREAM_KEEPALIVE:
+    if args.stream_keepalive != 0 and args.stream_keepalive < MIN_STREAM_KEEPALIVE:
         # (0.001 sent each stream a thousand comments a second)
         parser.error(
             f"--stream-keepalive must be 0 (no keep-alive comments) or at least "
