@@ -26,6 +26,28 @@ from tests.tiny_models import VOCAB, bpe_tokenizer, byte_fallback_tokenizer  # n
 TEXTS = ["the movie was good", "héllo wörld, naïve café", "日本語のテキスト and more", "a"]
 
 
+def cleaning_bpe_tokenizer():
+    """The byte-level BPE told to clean up spaces all the same, as some GPT-2 configs."""
+    tokenizer = bpe_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = True
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    setattr(tokenizer, forced, True)
+    return tokenizer
+
+
+def wordpiece_tokenizer():
+    """A BERT tokenizer that cleans up spaces, as BERT configs often say, with an "'"."""
+    import transformers
+
+    words = [*VOCAB, "'"]
+    tokenizer = transformers.BertTokenizer(vocab={word: i for i, word in enumerate(words)})
+    tokenizer.clean_up_tokenization_spaces = True
+    return tokenizer
+
+
+ALL_KINDS = [bpe_tokenizer, byte_fallback_tokenizer, cleaning_bpe_tokenizer, wordpiece_tokenizer]
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_the_pieces_add_up_to_the_whole_texts_decoding(text):
     tokenizer = bpe_tokenizer()
@@ -122,7 +144,7 @@ def test_each_byte_token_lists_the_text_it_adds_once_its_run_is_over(names, text
     assert made == [["goo"]] + [[]] * (len(names) - 1) + [texts]
 
 
-@pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
+@pytest.mark.parametrize("build", ALL_KINDS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(picks=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=10))
 def test_each_token_gets_a_text_and_the_texts_add_up_to_the_pieces_whatever_the_tokens(
@@ -143,7 +165,7 @@ def test_each_token_gets_a_text_and_the_texts_add_up_to_the_pieces_whatever_the_
     assert len(texts + pieces.rest(ids)) == len(ids)
 
 
-@pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
+@pytest.mark.parametrize("build", ALL_KINDS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(picks=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=10))
 def test_the_pieces_so_far_are_the_start_of_the_whole_decoding_whatever_the_tokens(build, picks):
@@ -164,7 +186,7 @@ def test_the_pieces_so_far_are_the_start_of_the_whole_decoding_whatever_the_toke
     assert made == whole
 
 
-@pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
+@pytest.mark.parametrize("build", ALL_KINDS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prompt=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=6),
@@ -228,15 +250,79 @@ def test_the_first_word_keeps_its_space_after_a_one_word_prompt_or_one_a_special
 def test_a_prompts_end_that_clean_up_changes_leaves_the_generated_text_whole():
     # a GPT-2 config that forces clean-up turns " ." into ".": decoded after the prompt's
     # last token (a space), the text no longer starts with that token's text, and cutting
-    # its length off anyway lost the answer's first character
-    tokenizer = bpe_tokenizer()
-    tokenizer.clean_up_tokenization_spaces = True
-    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
-    setattr(tokenizer, forced, True)
+    # its length off anyway lost the answer's first character, in the pieces as well
+    tokenizer = cleaning_bpe_tokenizer()
     context = prompt_context(tokenizer, tokenizer.encode("the movie ", add_special_tokens=False))
     assert tokenizer.decode(context) == " "
     ids = tokenizer.encode(". good", add_special_tokens=False)
     assert generated_text(tokenizer, ids, context) == ". good"
+    assert _token_texts(tokenizer, ids, context) == [".", " good"]
+
+
+def test_a_space_that_a_later_token_cleans_up_is_held_until_that_token():
+    # a space token, then ".": the space is not given out until the "." says it goes (it
+    # was given, and the "." added nothing: "the movie  good" for "the movie. good")
+    tokenizer = cleaning_bpe_tokenizer()
+    ids = tokenizer.encode("the movie . good , bad", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "the movie. good, bad"
+    texts = _token_texts(tokenizer, ids)
+    assert "".join(texts) == "the movie. good, bad"
+    assert texts[texts.index(".") - 1] == ""  # the space token adds nothing: it went
+    ids = tokenizer.encode("the movie  good", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids[-2:]) == ["Ġ", "Ġgood"]
+    # a space that stays is given with the word after it
+    assert _token_texts(tokenizer, ids)[-2:] == ["", "  good"]
+
+
+def test_a_wordpiece_answer_reads_as_its_whole_decoding_where_clean_up_joins_words():
+    # a WordPiece decoder puts a space between words and its clean-up takes some out
+    # again: "do n ' t" is "don't" (" ' " then " n't"), "good ." is "good."
+    tokenizer = wordpiece_tokenizer()
+    tokens = ["the", "n", "'", "t", "movie", ".", "good", "'", "s"]
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    assert tokenizer.decode(ids) == "then't movie. good's"
+    assert _token_texts(tokenizer, ids) == ["the", "", "", "n't", " movie", ".", " good", "", "'s"]
+    pieces = TextPieces(tokenizer)  # cut short, the held text still comes out
+    texts = [t for n in range(3) for t in pieces.next_pieces(ids[: n + 1])]
+    assert texts == ["the"] and pieces.rest(ids[:3]) == ["", " n '"]
+
+
+# the tokens a clean-up turns on, by tokenizer: spaces, punctuation, "n", "'", "t", "s"
+CLEANED_TOKENS = {
+    "cleaning_bpe_tokenizer": ["Ġ", ".", "'", "n", "t", "s", ",", "Ġgood", "Ġn", "?", "</s>"],
+    "wordpiece_tokenizer": [".", "'", "n", "t", "s", ",", "good", "movie", "?", "[SEP]"],
+}
+
+
+@pytest.mark.parametrize("build", [cleaning_bpe_tokenizer, wordpiece_tokenizer])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.lists(st.integers(min_value=0, max_value=10), min_size=1, max_size=4),
+    picks=st.lists(st.integers(min_value=0, max_value=10), min_size=1, max_size=8),
+)
+def test_what_a_clean_up_changes_is_never_given_out_before_it_is_known(build, prompt, picks):
+    # any mix of the tokens that a clean-up takes spaces around: each text given out is
+    # the start of the answer's, and they add up to it, told the last or cut short
+    tokenizer = _tokenizers(build)
+    names = CLEANED_TOKENS[build.__name__]
+    prompt_ids, ids = (
+        tokenizer.convert_tokens_to_ids([names[i % len(names)] for i in picks])
+        for picks in (prompt, picks)
+    )
+    context = prompt_context(tokenizer, prompt_ids)
+    whole = generated_text(tokenizer, ids, context)
+    for told in (True, False):
+        pieces, texts = TextPieces(tokenizer, context), []
+        for n in range(len(ids)):
+            texts += pieces.next_pieces(ids[: n + 1], told and n == len(ids) - 1)
+            assert whole.startswith("".join(texts))
+        texts += pieces.rest(ids)
+        assert "".join(texts) == whole and len(texts) == len(ids)
+
+
+def _token_texts(tokenizer, ids, context=()):
+    pieces = TextPieces(tokenizer, context)
+    return [t for n in range(len(ids)) for t in pieces.next_pieces(ids[: n + 1], n == len(ids) - 1)]
 
 
 @pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])

@@ -40,17 +40,33 @@ class TextPieces:
     the first word decoded alone would lose the space that parts it from the prompt
     ("the movie" then "▁good" is " good"). The pieces then add up to `generated_text`.
 
+    A tokenizer whose `decode` cleans up spaces before punctuation (a WordPiece's or a
+    Unigram's, as their configs often say) changes text already decoded once more text
+    follows: "the movie " then "." is "the movie.", "do n" then "'" and "t" is "don't".
+    The end of the text that a clean-up may yet change is held until the tokens after it
+    tell, so that the pieces never take back what they gave.
+
     Token by token (`next_pieces`), a run of byte tokens' text is shared out among them
     once the run is over, each its own part: what a token lists is what it adds."""
 
     def __init__(self, tokenizer: Any, context: Sequence[int] = ()):
-        self.decode = text_decoder(tokenizer)
+        cleans = cleans_up(tokenizer)
+        # a tokenizer that cleans up is read in its raw text, and each text cleaned as
+        # `decode` cleans it; another's text is its raw text
+        self.decode = raw_decoder(tokenizer) if cleans else text_decoder(tokenizer)
+        self.clean: Callable[[str], str] = tokenizer.clean_up_tokenization if cleans else str
+        self.cleans_up = cleans
         self.held_ids = held_ids(tokenizer)
         self.byte_values = byte_values(tokenizer)
         self.context = list(context)  # decoded before the window while it starts at 0
         self.prefix_offset = 0
         self.read_offset = 0
+        # where the window may start next: the end of the last text whose clean-up no
+        # later text changes (the read offset, where nothing cleans up)
+        self.settled_offset = 0
+        self.held = 0  # how much of the window's raw text a clean-up may yet change
         self.let_out = 0  # how many tokens `next_pieces` has given texts to
+        self.unlet = ""  # the text `next_piece` gave since then, for the tokens waiting
 
     def next_piece(self, ids: Sequence[int], last: bool = False) -> str:
         """The text that the newest of `ids` (the sequence's tokens so far) adds; `last`:
@@ -58,17 +74,41 @@ class TextPieces:
         bytes never made a character)."""
         if ids[-1] in self.held_ids and not last:
             return ""  # wait for the end of the run of byte tokens, or for a word
+        raw_before, raw_after = self._window(ids)
+        prompt_end = self.decode(self.context) if self.prefix_offset == 0 and self.context else ""
+        if prompt_end and not self.clean(raw_after).startswith(self.clean(prompt_end)):
+            # the new tokens change the prompt's end (a clean-up takes the space before
+            # a "."): decoded alone, as `generated_text` then decodes them
+            self.context, prompt_end = [], ""
+            raw_before, raw_after = self._window(ids)
+        if self.cleans_up:
+            before, after, unsettled = self._cleaned(raw_before, raw_after, prompt_end, last)
+        else:
+            before, after, unsettled = raw_before, raw_after, 0
+        if not last and (after.endswith("\ufffd") or len(after) <= len(before) and not unsettled):
+            return ""  # wait for the rest of a multi-byte character
+        if not unsettled:  # the window slides on from where no clean-up crosses
+            self.prefix_offset, self.settled_offset = self.settled_offset, len(ids)
+        self.read_offset, self.held = len(ids), unsettled
+        return after[len(before) :]
+
+    def _window(self, ids: Sequence[int]) -> tuple[str, str]:
+        """The window's raw text before the tokens not read yet, and with them."""
         prefix, read = self.prefix_offset, self.read_offset
         if prefix == 0 and self.context:
-            before = self.decode([*self.context, *ids[:read]])
-            after = self.decode([*self.context, *ids])
-        else:
-            before = self.decode(ids[prefix:read])
-            after = self.decode(ids[prefix:])
-        if not last and (len(after) <= len(before) or after.endswith("\ufffd")):
-            return ""  # wait for the rest of a multi-byte character
-        self.prefix_offset, self.read_offset = read, len(ids)
-        return after[len(before) :]
+            return self.decode([*self.context, *ids[:read]]), self.decode([*self.context, *ids])
+        return self.decode(ids[prefix:read]), self.decode(ids[prefix:])
+
+    def _cleaned(
+        self, raw_before: str, raw_after: str, prompt_end: str, last: bool
+    ) -> tuple[str, str, int]:
+        """The window's text given out so far and what may be given now, cleaned up, and
+        how much of its raw text a clean-up may yet change (" " before a ".", " n"
+        before "'t"): held until the text after it tells (the prompt's end is given)."""
+        settled = len(raw_after) if last else settled_length(raw_after)
+        unsettled = len(raw_after) - max(settled, len(prompt_end))
+        before = self.clean(raw_before[: len(raw_before) - self.held])
+        return before, self.clean(raw_after[: len(raw_after) - unsettled]), unsettled
 
     def next_pieces(self, ids: Sequence[int], last: bool = False) -> list[str]:
         """The texts that the tokens the newest of `ids` lets out add, oldest first (they
@@ -78,10 +118,13 @@ class TextPieces:
         a character's first bytes) where the run is UTF-8, else a U+FFFD, as the decoder
         reads the run; a special token in the run adds ""."""
         waiting = ids[self.let_out :]
-        piece = self.next_piece(ids, last)
+        self.unlet += self.next_piece(ids, last)
         if self.read_offset < len(ids) and any(i in self.byte_values for i in waiting):
             return []  # the run goes on: its bytes may yet turn into U+FFFDs
+        if self.held:
+            return []  # what a clean-up makes of the text's end waits for the next token
         self.let_out = len(ids)
+        piece, self.unlet = self.unlet, ""
         if self.read_offset < len(ids):  # nothing released: the newest alone adds ""
             return [""] * len(waiting)
         return self._shared_out(waiting, piece)
@@ -232,6 +275,51 @@ def byte_values(tokenizer: Any) -> dict[int, int]:
         for byte, (name, i) in enumerate(zip(names, ids, strict=True))
         if i is not None and i != unknown and tokenizer.decode([i]) != name
     }
+
+
+# what transformers' clean-up of a decoded text (`clean_up_tokenization`) takes spaces out
+# of, in its order; and what one cleaned up first makes of a later one: " ' ." keeps its
+# " '" (" ." goes first), " n ' t" is "n't" (" ' " makes " n't")
+CLEANED_UP = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+MADE_BY_CLEANING = (" ' .", " ' ?", " ' !", " ' ,", " n ' t", "  ' m", "  ' s", "  ' ve", "  ' re")
+
+
+CLEANUP_PATTERNS = CLEANED_UP + MADE_BY_CLEANING
+LONGEST_PATTERN = max(map(len, CLEANUP_PATTERNS))
+
+
+def settled_length(raw: str) -> int:
+    """How much of a raw text's start (not cleaned up yet) no text after it changes the
+    clean-up of: up to where no pattern of the clean-up crosses, whole or begun (" "
+    before a ".", " n" before "'t", " ' " before a "." that is cleaned up first). Each
+    pattern starts with a space: only the last few spaces are looked at."""
+    cut = len(raw)
+    start = raw.rfind(" ", max(0, cut - LONGEST_PATTERN + 1))
+    while start >= 0 and start > cut - LONGEST_PATTERN:
+        for pattern in CLEANUP_PATTERNS:
+            seen = raw[start : start + len(pattern)]
+            begun = len(seen) < len(pattern) and pattern.startswith(seen)
+            if start + len(pattern) > cut and (begun or seen == pattern):
+                cut = start  # a pattern crosses the cut: the text from it waits
+                break
+        start = raw.rfind(" ", 0, start)
+    return cut
+
+
+def cleans_up(tokenizer: Any) -> bool:
+    """Whether `tokenizer.decode` cleans up spaces before punctuation (its decoded text
+    may lose a space once a "." follows)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend is None or _cleans_up(tokenizer, backend)
+
+
+def raw_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """`decode(ids)` → their text, special tokens left out, not cleaned up."""
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
 
 
 def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
