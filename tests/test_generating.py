@@ -141,6 +141,13 @@ def static(runner, text: str, params: dict[str, Any]) -> Any:
     return runner.run([text], dict(params))[0]
 
 
+def assert_alike(got: Any, expected: Any) -> None:
+    """The same answer, its tokens' logprobs to their last digits, which a CPU's kernels
+    may move with the batch's shape (an AMD one's do, where a row joins others)."""
+    assert without_logprobs(got) == without_logprobs(expected)
+    assert logprobs(got) == pytest.approx(logprobs(expected), abs=1e-4)
+
+
 def test_each_item_answers_what_the_static_path_answers_it_alone(runner):
     asks = [40, 12, 30, 25, 60]
     batches = [
@@ -151,8 +158,7 @@ def test_each_item_answers_what_the_static_path_answers_it_alone(runner):
     for batch in batches:
         (got,) = answered[batch.batch_id].outputs
         expected = static(runner, batch.inputs[0], batch.params)
-        assert without_logprobs(got) == without_logprobs(expected), batch.inputs[0][:20]
-        assert logprobs(got) == pytest.approx(logprobs(expected), abs=1e-4)
+        assert_alike(got, expected)
     # each row its own cap (the asked count within its own room), unless its end of
     # sequence came first
     for batch in batches:
@@ -1396,8 +1402,8 @@ def test_a_grammar_whose_compiling_fails_otherwise_fails_its_item_alone(
     batches = [Batch(1, ("the movie was",), params), Batch(2, ("a",), held)]
     answered = results(serve(runner, {0: batches, 4: [Batch(3, ("a good film",), params)]}))
     monkeypatch.undo()
-    assert answered[1].outputs[0] == static(runner, "the movie was", params)
-    assert answered[3].outputs[0] == static(runner, "a good film", params)
+    assert_alike(answered[1].outputs[0], static(runner, "the movie was", params))
+    assert_alike(answered[3].outputs[0], static(runner, "a good film", params))  # joined late
     failed = answered[2].outputs[0]
     assert failed == ItemFailure(kind, f"its grammar could not be compiled ({named})")
 
