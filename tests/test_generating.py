@@ -3904,6 +3904,22 @@ def test_a_beam_search_ends_no_answer_past_a_stop_sequence(beams):
     assert "stop_sequence" in reasons  # (the tiny model's " is" ends its first token)
 
 
+def test_a_beam_search_stopped_in_text_a_clean_up_holds_ends_there(beams, monkeypatch):
+    """A tokenizer that cleans up spaces holds a text's last space back (a "." after it
+    would take it): the replayed answer's last token is told it is the last, so the stop
+    sequence its candidate ended on is seen (it read as "length", its text uncut)."""
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    monkeypatch.setattr(beams.tokenizer, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(beams.tokenizer, forced, True, raising=False)
+    space = beams.tokenizer.convert_tokens_to_ids("Ġ")
+    asked = {**GREEDY, "max_new_tokens": 12, "logit_bias": {space: 100.0}, "details": True}
+    asked["return_full_text"] = False
+    [answer] = beams.run(["the movie was"], {**asked, "stop": ["  "]})[0]
+    assert answer["generated_text"] == "  "
+    assert answer["details"]["finish_reason"] == "stop_sequence"
+    assert answer["details"]["generated_tokens"] == 2
+
+
 def test_a_grammar_under_beam_search_is_refused_in_words(beams):
     from rawserve.tasks.text_generation import GRAMMAR_REFUSED
 

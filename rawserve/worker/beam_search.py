@@ -85,7 +85,12 @@ class BeamStops(transformers.StoppingCriteria):
 def replay(watcher: TokenWatcher, answers: torch.Tensor, lengths: Sequence[int]) -> None:
     """Walk `generate`'s answers (their new tokens: each row's first `lengths[row]`, then
     padding) through `watcher` a token at a time, as its steps would have been: each row
-    ends where its answer does (an end token, a stop sequence, else its length)."""
+    ends where its answer does (an end token, a stop sequence, else its length). Each
+    answer's last token is told so: the text it held back (a space a clean-up may yet
+    take) may hold the stop sequence that ended it."""
+    watcher.lengths = [
+        min(length, cap) for length, cap in zip(lengths, watcher.lengths, strict=True)
+    ]
     for step in range(answers.shape[1]):
         for row, length in enumerate(lengths):
             if step >= length:

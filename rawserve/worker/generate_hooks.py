@@ -117,8 +117,9 @@ class TokenWatcher(transformers.StoppingCriteria):
         contexts: Sequence[Sequence[int]] = (),
     ):
         self.tokenizer = tokenizer
-        # a row's last token (the cap's) adds what its text held back
-        self.max_new_tokens = max_new_tokens or sys.maxsize
+        # each row's last token (the cap's, or a replayed beam search answer's) adds what
+        # its text held back
+        self.lengths = [max_new_tokens or sys.maxsize] * batch_size
         self.prompt_length = prompt_length
         self.stop = list(stop)
         self.recorder = recorder
@@ -160,7 +161,7 @@ class TokenWatcher(transformers.StoppingCriteria):
                 continue
             self.token_ids[row].append(token_id)
             ends = token_id in self.eos_ids
-            last = ends or len(self.token_ids[row]) >= self.max_new_tokens
+            last = ends or len(self.token_ids[row]) >= self.lengths[row]
             pieces = self.pieces[row].next_pieces(self.token_ids[row], last)
             piece = "".join(pieces)
             text = self.tails[row] + piece
