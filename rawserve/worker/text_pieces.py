@@ -75,14 +75,13 @@ class TextPieces:
         if ids[-1] in self.held_ids and not last:
             return ""  # wait for the end of the run of byte tokens, or for a word
         raw_before, raw_after = self._window(ids)
-        prompt_end = self.decode(self.context) if self.prefix_offset == 0 and self.context else ""
-        if prompt_end and not self.clean(raw_after).startswith(self.clean(prompt_end)):
+        if self.prefix_offset == 0 and self.context and self._prompt_end_changed(raw_after):
             # the new tokens change the prompt's end (a clean-up takes the space before
             # a "."): decoded alone, as `generated_text` then decodes them
-            self.context, prompt_end = [], ""
+            self.context = []
             raw_before, raw_after = self._window(ids)
         if self.cleans_up:
-            before, after, unsettled = self._cleaned(raw_before, raw_after, prompt_end, last)
+            before, after, unsettled = self._cleaned(raw_before, raw_after, last)
         else:
             before, after, unsettled = raw_before, raw_after, 0
         if not last and (after.endswith("\ufffd") or len(after) <= len(before) and not unsettled):
@@ -99,14 +98,18 @@ class TextPieces:
             return self.decode([*self.context, *ids[:read]]), self.decode([*self.context, *ids])
         return self.decode(ids[prefix:read]), self.decode(ids[prefix:])
 
-    def _cleaned(
-        self, raw_before: str, raw_after: str, prompt_end: str, last: bool
-    ) -> tuple[str, str, int]:
+    def _prompt_end_changed(self, raw_after: str) -> bool:
+        """Whether the window's text no longer starts with the prompt's end's."""
+        return not self.clean(raw_after).startswith(self.clean(self.decode(self.context)))
+
+    def _cleaned(self, raw_before: str, raw_after: str, last: bool) -> tuple[str, str, int]:
         """The window's text given out so far and what may be given now, cleaned up, and
         how much of its raw text a clean-up may yet change (" " before a ".", " n"
         before "'t"): held until the text after it tells (the prompt's end is given)."""
         settled = len(raw_after) if last else settled_length(raw_after)
-        unsettled = len(raw_after) - max(settled, len(prompt_end))
+        if self.prefix_offset == 0 and self.context:
+            settled = max(settled, len(self.decode(self.context)))
+        unsettled = len(raw_after) - settled
         before = self.clean(raw_before[: len(raw_before) - self.held])
         return before, self.clean(raw_after[: len(raw_after) - unsettled]), unsettled
 
@@ -118,13 +121,15 @@ class TextPieces:
         a character's first bytes) where the run is UTF-8, else a U+FFFD, as the decoder
         reads the run; a special token in the run adds ""."""
         waiting = ids[self.let_out :]
-        self.unlet += self.next_piece(ids, last)
-        if self.read_offset < len(ids) and any(i in self.byte_values for i in waiting):
-            return []  # the run goes on: its bytes may yet turn into U+FFFDs
-        if self.held:
-            return []  # what a clean-up makes of the text's end waits for the next token
-        self.let_out = len(ids)
-        piece, self.unlet = self.unlet, ""
+        piece = self.unlet + self.next_piece(ids, last)
+        # a run of byte tokens that goes on (its bytes may yet turn into U+FFFDs), or an
+        # end that a clean-up may yet change: the tokens wait for the next one
+        if self.held or (
+            self.read_offset < len(ids) and any(i in self.byte_values for i in waiting)
+        ):
+            self.unlet = piece
+            return []
+        self.let_out, self.unlet = len(ids), ""
         if self.read_offset < len(ids):  # nothing released: the newest alone adds ""
             return [""] * len(waiting)
         return self._shared_out(waiting, piece)
