@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 
 from rawserve.worker.text_pieces import (  # noqa: E402
+    HELD_WINDOW,
     TextPieces,
     alternative_text,
     byte_values,
@@ -270,8 +271,8 @@ def test_a_space_that_a_later_token_cleans_up_is_held_until_that_token():
     assert texts[texts.index(".") - 1] == ""  # the space token adds nothing: it went
     ids = tokenizer.encode("the movie  good", add_special_tokens=False)
     assert tokenizer.convert_ids_to_tokens(ids[-2:]) == ["Ġ", "Ġgood"]
-    # a space that stays is given with the word after it
-    assert _token_texts(tokenizer, ids)[-2:] == ["", "  good"]
+    # a space that stays is its own token's, given with the word after it
+    assert _token_texts(tokenizer, ids)[-2:] == [" ", " good"]
 
 
 def test_a_wordpiece_answer_reads_as_its_whole_decoding_where_clean_up_joins_words():
@@ -281,10 +282,11 @@ def test_a_wordpiece_answer_reads_as_its_whole_decoding_where_clean_up_joins_wor
     tokens = ["the", "n", "'", "t", "movie", ".", "good", "'", "s"]
     ids = tokenizer.convert_tokens_to_ids(tokens)
     assert tokenizer.decode(ids) == "then't movie. good's"
-    assert _token_texts(tokenizer, ids) == ["the", "", "", "n't", " movie", ".", " good", "", "'s"]
+    texts = ["the", "n", "'", "t", " movie", ".", " good", "'", "s"]  # each what it adds
+    assert _token_texts(tokenizer, ids) == texts
     pieces = TextPieces(tokenizer)  # cut short, the held text still comes out
     texts = [t for n in range(3) for t in pieces.next_pieces(ids[: n + 1])]
-    assert texts == ["the"] and pieces.rest(ids[:3]) == ["", " n '"]
+    assert texts == ["the"] and pieces.rest(ids[:3]) == [" n", " '"]
 
 
 # the tokens a clean-up turns on, by tokenizer: spaces, punctuation, "n", "'", "t", "s"
@@ -318,6 +320,54 @@ def test_what_a_clean_up_changes_is_never_given_out_before_it_is_known(build, pr
             assert whole.startswith("".join(texts))
         texts += pieces.rest(ids)
         assert "".join(texts) == whole and len(texts) == len(ids)
+    # each token's text is what it adds where nothing is cleaned up, less the spaces a
+    # clean-up takes (a space held for the next token is its own token's, still)
+    plain = _token_texts(tokenizer, ids)
+    tokenizer.clean_up_tokenization_spaces = False
+    try:
+        raw = _token_texts(tokenizer, ids)
+    finally:
+        tokenizer.clean_up_tokenization_spaces = True
+    assert all(_less_spaces(r, p) for r, p in zip(raw, plain, strict=True)), (raw, plain)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(picks=st.lists(st.integers(min_value=0, max_value=13), min_size=20, max_size=70))
+def test_a_long_run_of_spaces_a_clean_up_may_take_streams_on_and_reads_a_few_tokens(picks):
+    # each space of a run may yet be taken by a "." after it: held whole, the window
+    # grew with the run (a step decoded all of it: quadratic), and nothing streamed
+    tokenizer = _tokenizers(cleaning_bpe_tokenizer)
+    names = [*CLEANED_TOKENS["cleaning_bpe_tokenizer"], "Ġ", "Ġ", "Ġ"]
+    ids = tokenizer.convert_tokens_to_ids([names[i % len(names)] for i in picks])
+    run = tokenizer.convert_tokens_to_ids(["Ġ"] * 60)
+    for tokens in (ids, run + ids, ids + run):
+        pieces = TextPieces(tokenizer)
+        read = _window_lengths(pieces)
+        texts, lagging = [], 0
+        for n in range(len(tokens)):
+            texts += pieces.next_pieces(tokens[: n + 1], n == len(tokens) - 1)
+            lagging = max(lagging, n + 1 - len(texts))
+        assert "".join(texts) == generated_text(tokenizer, tokens) and len(texts) == len(tokens)
+        assert max(read) <= HELD_WINDOW + 2 and lagging <= HELD_WINDOW, (max(read), lagging)
+
+
+def _window_lengths(pieces: TextPieces) -> list[int]:
+    """How many tokens each window `pieces` decodes from now on holds, as it decodes it."""
+    read: list[int] = []
+    decode = pieces.decode
+    pieces.decode = lambda window: read.append(len(window)) or decode(window)
+    return read
+
+
+def _less_spaces(raw: str, text: str) -> bool:
+    """Whether `text` is `raw` with none or some of its spaces taken out."""
+    kept = 0
+    for char in raw:
+        if kept < len(text) and text[kept] == char:
+            kept += 1
+        elif char != " ":
+            return False
+    return kept == len(text)
 
 
 def _token_texts(tokenizer, ids, context=()):
@@ -333,10 +383,8 @@ def test_a_steps_decoding_reads_a_few_tokens_however_long_the_text_has_grown(bui
     prompt = tokenizer.encode("the movie", add_special_tokens=False)
     ids = tokenizer.encode(" was good and the film was great" * 20, add_special_tokens=False)
     assert len(ids) > 100
-    read: list[int] = []
     pieces = TextPieces(tokenizer, prompt_context(tokenizer, prompt))
-    decode = pieces.decode
-    pieces.decode = lambda window: read.append(len(window)) or decode(window)
+    read = _window_lengths(pieces)
     made = "".join(pieces.next_piece(ids[: n + 1], n == len(ids) - 1) for n in range(len(ids)))
     assert made == generated_text(tokenizer, ids, prompt_context(tokenizer, prompt))
     assert max(read) <= 8, read

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import codecs
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import transformers
 
+# how many tokens a window whose end a clean-up may yet change grows to before it slides
+# on past its settled text all the same (`TextPieces._slide_while_held`)
+HELD_WINDOW = 16
 # how far back from a prompt's end its last word is looked for (`prompt_context`)
 CONTEXT_TOKENS = 8
 # a word that a step's alternatives are decoded after (`alternative_text`)
@@ -67,6 +71,10 @@ class TextPieces:
         self.held = 0  # how much of the window's raw text a clean-up may yet change
         self.let_out = 0  # how many tokens `next_pieces` has given texts to
         self.unlet = ""  # the text `next_piece` gave since then, for the tokens waiting
+        # a clean-up's last step that settled text (all it read, or a long hold's part):
+        # its window's first token, and the window's raw text and text up to where it
+        # settled (`_settled_texts`)
+        self.last_window: tuple[int, str, str] = (0, "", "")
 
     def next_piece(self, ids: Sequence[int], last: bool = False) -> str:
         """The text that the newest of `ids` (the sequence's tokens so far) adds; `last`:
@@ -87,7 +95,11 @@ class TextPieces:
         if not last and (after.endswith("\ufffd") or len(after) <= len(before) and not unsettled):
             return ""  # wait for the rest of a multi-byte character
         if not unsettled:  # the window slides on from where no clean-up crosses
+            if self.cleans_up:
+                self.last_window = (self.prefix_offset, raw_after, after)
             self.prefix_offset, self.settled_offset = self.settled_offset, len(ids)
+        elif len(ids) - self.prefix_offset > HELD_WINDOW:
+            self._slide_while_held(ids, raw_after, len(raw_after) - unsettled, after)
         self.read_offset, self.held = len(ids), unsettled
         return after[len(before) :]
 
@@ -97,6 +109,28 @@ class TextPieces:
         if prefix == 0 and self.context:
             return self.decode([*self.context, *ids[:read]]), self.decode([*self.context, *ids])
         return self.decode(ids[prefix:read]), self.decode(ids[prefix:])
+
+    def _slide_while_held(self, ids: Sequence[int], raw: str, settled: int, text: str) -> None:
+        """A window whose end has been held for long (a run of spaces, each of which a
+        "." may yet take) slides on all the same, to the last two places between its
+        tokens that its settled text reaches and no clean-up crosses: decoded whole at
+        every step, the run cost each step more as it grew."""
+        context = self.context if self.prefix_offset == 0 else []
+        given = self.prefix_offset, raw[:settled], text
+        places: list[int] = []
+        for end in range(len(ids) - 1, max(self.prefix_offset, len(ids) - HELD_WINDOW), -1):
+            so_far = self.decode([*context, *ids[self.prefix_offset : end]])
+            if (
+                len(so_far) <= settled
+                and raw.startswith(so_far)
+                and ids[end - 1] not in self.held_ids
+                and crossing(raw, len(so_far)) is None
+            ):
+                places.append(end)
+                if len(places) == 2:
+                    self.settled_offset, self.prefix_offset = places
+                    self.last_window = given  # (what `_settled_texts` reads)
+                    return
 
     def _prompt_end_changed(self, raw_after: str) -> bool:
         """Whether the window's text no longer starts with the prompt's end's."""
@@ -128,16 +162,47 @@ class TextPieces:
             self.read_offset < len(ids) and any(i in self.byte_values for i in waiting)
         ):
             self.unlet = piece
+            if self.held and self.settled_offset > self.let_out:  # a long hold slid on
+                return self._settled_texts(ids, self.settled_offset) or []
             return []
-        self.let_out, self.unlet = len(ids), ""
         if self.read_offset < len(ids):  # nothing released: the newest alone adds ""
+            self.let_out, self.unlet = len(ids), ""
             return [""] * len(waiting)
+        if self.cleans_up and len(waiting) > 1 and not self.byte_values.keys() & set(waiting):
+            self.unlet = piece
+            texts = self._settled_texts(ids, len(ids))
+            if texts is not None:
+                return texts
+        self.let_out, self.unlet = len(ids), ""
         return self._shared_out(waiting, piece)
 
     def rest(self, ids: Sequence[int]) -> list[str]:
         """The texts of the tokens `next_pieces` has not let out yet, as though the newest
         of `ids` were the last (a sequence that a beam's end or a cancel cut short)."""
         return self.next_pieces(ids, last=True) if self.let_out < len(ids) else []
+
+    def _settled_texts(self, ids: Sequence[int], through: int) -> list[str] | None:
+        """The texts of the waiting tokens up to `through`, out of the text given out for
+        them (`unlet`), each its own part once a clean-up settled it: what its raw text
+        kept ("do n" "'" "t" add "n", "'", "t" to "don't"; a space token before a "."
+        adds ""), as each would add where nothing was held. None where the clean-up's
+        last window does not hold them, or its raw text does not grow token by token."""
+        start, raw, text = self.last_window
+        kept = kept_counts(raw, text)
+        if kept is None or start > self.let_out:
+            return None
+        context = self.context if start == 0 else []
+        bounds = [len(text) - len(self.unlet)]
+        for end in range(self.let_out + 1, through + 1):
+            if end == len(ids):  # the newest adds the rest
+                bounds.append(len(text))
+                break
+            so_far = self.decode([*context, *ids[start:end]])
+            if not raw.startswith(so_far):
+                return None
+            bounds.append(min(max(kept[len(so_far)], bounds[-1]), len(text)))
+        self.let_out, self.unlet = through, text[bounds[-1] :]
+        return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
     def _shared_out(self, tokens: Sequence[int], piece: str) -> list[str]:
         """`piece`, which `tokens` add together, as each one's own part: a run of byte
@@ -293,22 +358,57 @@ CLEANUP_PATTERNS = CLEANED_UP + MADE_BY_CLEANING
 LONGEST_PATTERN = max(map(len, CLEANUP_PATTERNS))
 
 
-def settled_length(raw: str) -> int:
-    """How much of a raw text's start (not cleaned up yet) no text after it changes the
-    clean-up of: up to where no pattern of the clean-up crosses, whole or begun (" "
-    before a ".", " n" before "'t", " ' " before a "." that is cleaned up first). Each
-    pattern starts with a space: only the last few spaces are looked at."""
-    cut = len(raw)
-    start = raw.rfind(" ", max(0, cut - LONGEST_PATTERN + 1))
-    while start >= 0 and start > cut - LONGEST_PATTERN:
+def crossing(raw: str, place: int) -> int | None:
+    """Where the first pattern of the clean-up that crosses `place` in a raw text, whole
+    or begun, starts (None: none does). Each pattern starts with a space: only the last
+    few spaces before `place` are looked at."""
+    first = None
+    start = raw.rfind(" ", max(0, place - LONGEST_PATTERN + 1), place)
+    while start >= 0 and start > place - LONGEST_PATTERN:
         for pattern in CLEANUP_PATTERNS:
             seen = raw[start : start + len(pattern)]
             begun = len(seen) < len(pattern) and pattern.startswith(seen)
-            if start + len(pattern) > cut and (begun or seen == pattern):
-                cut = start  # a pattern crosses the cut: the text from it waits
-                break
+            if start + len(pattern) > place and (begun or seen == pattern):
+                first = start
         start = raw.rfind(" ", 0, start)
+    return first
+
+
+def settled_length(raw: str) -> int:
+    """How much of a raw text's start (not cleaned up yet) no text after it changes the
+    clean-up of: up to where no pattern of the clean-up crosses, whole or begun (" "
+    before a ".", " n" before "'t", " ' " before a "." that is cleaned up first)."""
+    cut = len(raw)
+    while (start := crossing(raw, cut)) is not None:
+        cut = start  # the text from where the pattern starts waits
     return cut
+
+
+def kept_counts(raw: str, text: str) -> list[int] | None:
+    """For each place in a raw text, how much of its cleaned-up `text` lies before it:
+    the clean-up done again, each space it takes out followed (a run of spaces loses
+    the one before the "."). None where that is not how `text` came of it (a clean-up of
+    the tokenizer's own)."""
+    chars = list(range(len(raw)))  # where in the raw text each character still there is
+    for pattern in CLEANED_UP:  # each in turn, as `str.replace` finds them
+        current = "".join(raw[i] for i in chars)
+        left: list[int] = []
+        at = current.find(pattern)
+        start = 0
+        while at >= 0:
+            left += chars[start:at]
+            left += [
+                i for i, c in zip(chars[at : at + len(pattern)], pattern, strict=True) if c != " "
+            ]
+            start = at + len(pattern)
+            at = current.find(pattern, start)
+        chars = left + chars[start:]
+    if "".join(raw[i] for i in chars) != text:
+        return None
+    counts, kept = [0], set(chars)
+    for place in range(len(raw)):
+        counts.append(counts[-1] + (place in kept))
+    return counts
 
 
 def cleans_up(tokenizer: Any) -> bool:
