@@ -71,9 +71,8 @@ class TextPieces:
         self.held = 0  # how much of the window's raw text a clean-up may yet change
         self.let_out = 0  # how many tokens `next_pieces` has given texts to
         self.unlet = ""  # the text `next_piece` gave since then, for the tokens waiting
-        # a clean-up's last step that settled text (all it read, or a long hold's part):
-        # its window's first token, and the window's raw text and text up to where it
-        # settled (`_settled_texts`)
+        # a clean-up's last step that gave out all it read: its window's first token, and
+        # the window's raw text and text (`_settled_texts`)
         self.last_window: tuple[int, str, str] = (0, "", "")
 
     def next_piece(self, ids: Sequence[int], last: bool = False) -> str:
@@ -99,7 +98,7 @@ class TextPieces:
                 self.last_window = (self.prefix_offset, raw_after, after)
             self.prefix_offset, self.settled_offset = self.settled_offset, len(ids)
         elif len(ids) - self.prefix_offset > HELD_WINDOW:
-            self._slide_while_held(ids, raw_after, len(raw_after) - unsettled, after)
+            self._slide_while_held(ids, raw_after, len(raw_after) - unsettled)
         self.read_offset, self.held = len(ids), unsettled
         return after[len(before) :]
 
@@ -110,13 +109,12 @@ class TextPieces:
             return self.decode([*self.context, *ids[:read]]), self.decode([*self.context, *ids])
         return self.decode(ids[prefix:read]), self.decode(ids[prefix:])
 
-    def _slide_while_held(self, ids: Sequence[int], raw: str, settled: int, text: str) -> None:
+    def _slide_while_held(self, ids: Sequence[int], raw: str, settled: int) -> None:
         """A window whose end has been held for long (a run of spaces, each of which a
         "." may yet take) slides on all the same, to the last two places between its
         tokens that its settled text reaches and no clean-up crosses: decoded whole at
         every step, the run cost each step more as it grew."""
         context = self.context if self.prefix_offset == 0 else []
-        given = self.prefix_offset, raw[:settled], text
         places: list[int] = []
         for end in range(len(ids) - 1, max(self.prefix_offset, len(ids) - HELD_WINDOW), -1):
             so_far = self.decode([*context, *ids[self.prefix_offset : end]])
@@ -129,7 +127,6 @@ class TextPieces:
                 places.append(end)
                 if len(places) == 2:
                     self.settled_offset, self.prefix_offset = places
-                    self.last_window = given  # (what `_settled_texts` reads)
                     return
 
     def _prompt_end_changed(self, raw_after: str) -> bool:
@@ -162,18 +159,14 @@ class TextPieces:
             self.read_offset < len(ids) and any(i in self.byte_values for i in waiting)
         ):
             self.unlet = piece
-            if self.held and self.settled_offset > self.let_out:  # a long hold slid on
-                return self._settled_texts(ids, self.settled_offset) or []
             return []
+        self.let_out, self.unlet = len(ids), ""
         if self.read_offset < len(ids):  # nothing released: the newest alone adds ""
-            self.let_out, self.unlet = len(ids), ""
             return [""] * len(waiting)
         if self.cleans_up and len(waiting) > 1 and not self.byte_values.keys() & set(waiting):
-            self.unlet = piece
-            texts = self._settled_texts(ids, len(ids))
+            texts = self._settled_texts(ids, len(waiting), piece)
             if texts is not None:
                 return texts
-        self.let_out, self.unlet = len(ids), ""
         return self._shared_out(waiting, piece)
 
     def rest(self, ids: Sequence[int]) -> list[str]:
@@ -181,27 +174,27 @@ class TextPieces:
         of `ids` were the last (a sequence that a beam's end or a cancel cut short)."""
         return self.next_pieces(ids, last=True) if self.let_out < len(ids) else []
 
-    def _settled_texts(self, ids: Sequence[int], through: int) -> list[str] | None:
-        """The texts of the waiting tokens up to `through`, out of the text given out for
-        them (`unlet`), each its own part once a clean-up settled it: what its raw text
-        kept ("do n" "'" "t" add "n", "'", "t" to "don't"; a space token before a "."
-        adds ""), as each would add where nothing was held. None where the clean-up's
-        last window does not hold them, or its raw text does not grow token by token."""
+    def _settled_texts(self, ids: Sequence[int], count: int, piece: str) -> list[str] | None:
+        """`piece`, which the newest `count` of `ids` add together once a clean-up settled
+        their text, as each one's own part: what its raw text kept ("do n" "'" "t" add
+        "n", "'", "t" to "don't"; a space token before a "." adds ""), as each would add
+        where nothing was held. None where the step's window does not hold them all (it
+        slid on in a long hold) or its text does not grow token by token."""
         start, raw, text = self.last_window
         kept = kept_counts(raw, text)
-        if kept is None or start > self.let_out:
+        first = len(ids) - count
+        if kept is None or start > first:
             return None
         context = self.context if start == 0 else []
-        bounds = [len(text) - len(self.unlet)]
-        for end in range(self.let_out + 1, through + 1):
-            if end == len(ids):  # the newest adds the rest
-                bounds.append(len(text))
-                break
+        bounds = []
+        for end in range(first, len(ids)):
             so_far = self.decode([*context, *ids[start:end]])
             if not raw.startswith(so_far):
                 return None
-            bounds.append(min(max(kept[len(so_far)], bounds[-1]), len(text)))
-        self.let_out, self.unlet = through, text[bounds[-1] :]
+            bounds.append(kept[len(so_far)])
+        bounds.append(len(text))
+        if bounds[0] != len(text) - len(piece) or bounds != sorted(bounds):
+            return None  # (the piece does not start where their text does)
         return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
     def _shared_out(self, tokens: Sequence[int], piece: str) -> list[str]:
