@@ -351,6 +351,19 @@ def test_a_long_run_of_spaces_a_clean_up_may_take_reads_a_few_tokens_a_step(pick
         assert max(read) <= HELD_WINDOW + 2
 
 
+def test_a_character_that_never_completes_before_a_held_space_holds_up_nothing():
+    # a lone continuation byte is a U+FFFD for good: the text given stopped at it while a
+    # space after it was held, read as a character still coming, and the tokens after
+    # it were let out empty (cut short, their text was lost: " good" for " good\ufffd n")
+    tokenizer = _tokenizers(cleaning_bpe_tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["Ġgood", "Ĺ", "Ġ", "<unk>", "n"])
+    pieces, texts = TextPieces(tokenizer), []
+    for n in range(len(ids)):
+        texts += pieces.next_pieces(ids[: n + 1])
+    assert texts == [" good", ""]  # the " n" may yet be " n't": held, the tokens from it wait
+    assert "".join(texts + pieces.rest(ids)) == generated_text(tokenizer, ids) == " good\ufffd n"
+
+
 def _window_lengths(pieces: TextPieces) -> list[int]:
     """How many tokens each window `pieces` decodes from now on holds, as it decodes it."""
     read: list[int] = []

@@ -65,8 +65,8 @@ class TextPieces:
         self.context = list(context)  # decoded before the window while it starts at 0
         self.prefix_offset = 0
         self.read_offset = 0
-        # where the window may start next: the end of the last text whose clean-up no
-        # later text changes (the read offset, where nothing cleans up)
+        # where the window may start next, where the tokenizer cleans up: the end of the
+        # last text whose clean-up no later text changes
         self.settled_offset = 0
         self.held = 0  # how much of the window's raw text a clean-up may yet change
         self.let_out = 0  # how many tokens `next_pieces` has given texts to
@@ -81,21 +81,34 @@ class TextPieces:
         bytes never made a character)."""
         if ids[-1] in self.held_ids and not last:
             return ""  # wait for the end of the run of byte tokens, or for a word
+        if self.cleans_up:
+            return self._cleaned_piece(ids, last)
+        prefix, read = self.prefix_offset, self.read_offset
+        if prefix == 0 and self.context:
+            before, after = self._window(ids)
+        else:  # (the window, without a call: a step makes one a row)
+            before, after = self.decode(ids[prefix:read]), self.decode(ids[prefix:])
+        if not last and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""  # wait for the rest of a multi-byte character
+        self.prefix_offset, self.read_offset = read, len(ids)
+        return after[len(before) :]
+
+    def _cleaned_piece(self, ids: Sequence[int], last: bool) -> str:
+        """`next_piece` where the tokenizer cleans up: read in the raw text, each text
+        cleaned up as `decode` cleans it, the end a clean-up may yet change held."""
         raw_before, raw_after = self._window(ids)
         if self.prefix_offset == 0 and self.context and self._prompt_end_changed(raw_after):
             # the new tokens change the prompt's end (a clean-up takes the space before
             # a "."): decoded alone, as `generated_text` then decodes them
             self.context = []
             raw_before, raw_after = self._window(ids)
-        if self.cleans_up:
-            before, after, unsettled = self._cleaned(raw_before, raw_after, last)
-        else:
-            before, after, unsettled = raw_before, raw_after, 0
-        if not last and (after.endswith("\ufffd") or len(after) <= len(before) and not unsettled):
+        before, after, unsettled = self._cleaned(raw_before, raw_after, last)
+        if not last and (
+            raw_after.endswith("\ufffd") or len(after) <= len(before) and not unsettled
+        ):
             return ""  # wait for the rest of a multi-byte character
         if not unsettled:  # the window slides on from where no clean-up crosses
-            if self.cleans_up:
-                self.last_window = (self.prefix_offset, raw_after, after)
+            self.last_window = (self.prefix_offset, raw_after, after)
             self.prefix_offset, self.settled_offset = self.settled_offset, len(ids)
         elif len(ids) - self.prefix_offset > HELD_WINDOW:
             self._slide_while_held(ids, raw_after, len(raw_after) - unsettled)
@@ -151,23 +164,38 @@ class TextPieces:
         own part of its run's text: the character its byte ends ("!" for <0x21>, "" for
         a character's first bytes) where the run is UTF-8, else a U+FFFD, as the decoder
         reads the run; a special token in the run adds ""."""
+        if self.cleans_up:
+            return self._cleaned_pieces(ids, last)
+        waiting = ids[self.let_out :]
+        piece = self.next_piece(ids, last)
+        if self._run_goes_on(ids, waiting):
+            return []
+        self.let_out = len(ids)
+        if self.read_offset < len(ids):  # nothing released: the newest alone adds ""
+            return [""] * len(waiting)
+        return self._shared_out(waiting, piece)
+
+    def _cleaned_pieces(self, ids: Sequence[int], last: bool) -> list[str]:
+        """`next_pieces` where the tokenizer cleans up: the tokens also wait while the
+        text's end is held, and each is given what its own raw text kept."""
         waiting = ids[self.let_out :]
         piece = self.unlet + self.next_piece(ids, last)
-        # a run of byte tokens that goes on (its bytes may yet turn into U+FFFDs), or an
-        # end that a clean-up may yet change: the tokens wait for the next one
-        if self.held or (
-            self.read_offset < len(ids) and any(i in self.byte_values for i in waiting)
-        ):
-            self.unlet = piece
+        if self.held or self._run_goes_on(ids, waiting):
+            self.unlet = piece  # what a clean-up makes of the end waits for the next token
             return []
         self.let_out, self.unlet = len(ids), ""
         if self.read_offset < len(ids):  # nothing released: the newest alone adds ""
             return [""] * len(waiting)
-        if self.cleans_up and len(waiting) > 1 and not self.byte_values.keys() & set(waiting):
+        if len(waiting) > 1 and not self.byte_values.keys() & set(waiting):
             texts = self._settled_texts(ids, len(waiting), piece)
             if texts is not None:
                 return texts
         return self._shared_out(waiting, piece)
+
+    def _run_goes_on(self, ids: Sequence[int], waiting: Sequence[int]) -> bool:
+        """Whether a run of byte tokens among `waiting` goes on (its bytes may yet turn
+        into U+FFFDs): the tokens wait for its end."""
+        return self.read_offset < len(ids) and any(i in self.byte_values for i in waiting)
 
     def rest(self, ids: Sequence[int]) -> list[str]:
         """The texts of the tokens `next_pieces` has not let out yet, as though the newest
