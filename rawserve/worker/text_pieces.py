@@ -48,7 +48,9 @@ class TextPieces:
     Unigram's, as their configs often say) changes text already decoded once more text
     follows: "the movie " then "." is "the movie.", "do n" then "'" and "t" is "don't".
     The end of the text that a clean-up may yet change is held until the tokens after it
-    tell, so that the pieces never take back what they gave.
+    tell, so that the pieces never take back what they gave; the tokens wait with it, and
+    each is then given what its own raw text kept (but where a run of spaces held it for
+    more than `HELD_WINDOW` tokens: the window slid on, and the newest takes the text).
 
     Token by token (`next_pieces`), a run of byte tokens' text is shared out among them
     once the run is over, each its own part: what a token lists is what it adds."""
