@@ -14,8 +14,8 @@ from typing import Any
 
 import transformers
 
-# how many tokens a window whose end a clean-up may yet change grows to before it slides
-# on past its settled text all the same (`TextPieces._slide_while_held`)
+# how many tokens a window whose end a clean-up may yet change may hold: past them it
+# slides on past its settled text where it finds two places to (`TextPieces._slide_while_held`)
 HELD_WINDOW = 16
 # how far back from a prompt's end its last word is looked for (`prompt_context`)
 CONTEXT_TOKENS = 8
@@ -51,6 +51,8 @@ class TextPieces:
     tell, so that the pieces never take back what they gave; the tokens wait with it, and
     each is then given what its own raw text kept (but where a run of spaces held it for
     more than `HELD_WINDOW` tokens: the window slid on, and the newest takes the text).
+    A run of " '" (each " ' " taken from the left, overlapping the next) is held whole,
+    and its window grows with it.
 
     Token by token (`next_pieces`), a run of byte tokens' text is shared out among them
     once the run is over, each its own part: what a token lists is what it adds."""
@@ -88,7 +90,7 @@ class TextPieces:
         prefix, read = self.prefix_offset, self.read_offset
         if prefix == 0 and self.context:
             before, after = self._window(ids)
-        else:  # (the window, without a call: a step makes one a row)
+        else:  # (`_window`'s texts decoded here: a call's cost, at every step of every row)
             before, after = self.decode(ids[prefix:read]), self.decode(ids[prefix:])
         if not last and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""  # wait for the rest of a multi-byte character
@@ -108,7 +110,7 @@ class TextPieces:
         if not last and (
             raw_after.endswith("\ufffd") or len(after) <= len(before) and not unsettled
         ):
-            return ""  # wait for the rest of a multi-byte character
+            return ""  # wait for the rest of a multi-byte character, or for new text
         if not unsettled:  # the window slides on from where no clean-up crosses
             self.last_window = (self.prefix_offset, raw_after, after)
             self.prefix_offset, self.settled_offset = self.settled_offset, len(ids)
