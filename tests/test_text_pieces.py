@@ -340,7 +340,9 @@ def test_a_long_run_of_spaces_a_clean_up_may_take_reads_a_few_tokens_a_step(pick
     names = [*CLEANED_TOKENS["cleaning_bpe_tokenizer"], "Ġ", "Ġ", "Ġ"]
     ids = tokenizer.convert_tokens_to_ids([names[i % len(names)] for i in picks])
     run = tokenizer.convert_tokens_to_ids(["Ġ"] * 60)
-    for tokens in (ids, run + ids, ids + run):
+    # each " ' " taken from the left, overlapping the next: held whole, all the same
+    quotes = tokenizer.encode(" '" * 40, add_special_tokens=False)
+    for tokens in (ids, run + ids, ids + run, quotes + ids, ids + quotes):
         pieces = TextPieces(tokenizer)
         read = _window_lengths(pieces)
         texts: list[str] = []

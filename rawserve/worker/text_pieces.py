@@ -15,7 +15,8 @@ from typing import Any
 import transformers
 
 # how many tokens a window whose end a clean-up may yet change may hold: past them it
-# slides on past its settled text where it finds two places to (`TextPieces._slide_while_held`)
+# slides on past its settled text, where it finds two places to
+# (`TextPieces._slide_while_held`)
 HELD_WINDOW = 16
 # how far back from a prompt's end its last word is looked for (`prompt_context`)
 CONTEXT_TOKENS = 8
@@ -51,8 +52,9 @@ class TextPieces:
     tell, so that the pieces never take back what they gave; the tokens wait with it, and
     each is then given what its own raw text kept (but where a run of spaces held it for
     more than `HELD_WINDOW` tokens: the window slid on, and the newest takes the text).
-    A run of " '" (each " ' " taken from the left, overlapping the next) is held whole,
-    and its window grows with it.
+    A WordPiece's run of "'" tokens is held whole, its window growing with it: each
+    " ' " is taken from the left, overlapping the next, and a window starting between
+    two would lose the space (a WordPiece's first word has none) that one starts with.
 
     Token by token (`next_pieces`), a run of byte tokens' text is shared out among them
     once the run is over, each its own part: what a token lists is what it adds."""
@@ -132,6 +134,7 @@ class TextPieces:
         tokens that its settled text reaches and no clean-up crosses: decoded whole at
         every step, the run cost each step more as it grew."""
         context = self.context if self.prefix_offset == 0 else []
+        _, found = cleaned_up(raw)
         places: list[int] = []
         for end in range(len(ids) - 1, max(self.prefix_offset, len(ids) - HELD_WINDOW), -1):
             so_far = self.decode([*context, *ids[self.prefix_offset : end]])
@@ -139,7 +142,8 @@ class TextPieces:
                 len(so_far) <= settled
                 and raw.startswith(so_far)
                 and ids[end - 1] not in self.held_ids
-                and crossing(raw, len(so_far)) is None
+                # (nor where one starts: a window starting there loses a WordPiece's space)
+                and not any(first <= len(so_far) <= last for first, last in found)
             ):
                 places.append(end)
                 if len(places) == 2:
@@ -381,12 +385,47 @@ MADE_BY_CLEANING = (" ' .", " ' ?", " ' !", " ' ,", " n ' t", "  ' m", "  ' s", 
 
 CLEANUP_PATTERNS = CLEANED_UP + MADE_BY_CLEANING
 LONGEST_PATTERN = max(map(len, CLEANUP_PATTERNS))
+PATTERN_STARTS = frozenset(p[:n] for p in CLEANUP_PATTERNS for n in range(1, len(p)))
+
+
+def begun_end(raw: str) -> str:
+    """The end of a raw text that begins a pattern of the clean-up, which the text after
+    it may make whole (the longest such)."""
+    return max((start for start in PATTERN_STARTS if raw.endswith(start)), key=len, default="")
+
+
+def cleaned_up(raw: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """transformers' clean-up done again on a raw text, each character followed: where
+    in the raw text each character it keeps was, and where each pattern it took spaces
+    out of lay (its first and last character's places). A run of spaces loses the one
+    before the "."; of overlapping patterns (" ' ' "), those `str.replace` finds from
+    the left."""
+    chars = list(range(len(raw)))
+    found: list[tuple[int, int]] = []
+    for pattern in CLEANED_UP:  # each in turn, on what those before it left
+        current = "".join(raw[i] for i in chars)
+        left: list[int] = []
+        start, at = 0, current.find(pattern)
+        while at >= 0:
+            places = chars[at : at + len(pattern)]
+            found.append((places[0], places[-1]))
+            left += chars[start:at] + [i for i, c in zip(places, pattern, strict=True) if c != " "]
+            start = at + len(pattern)
+            at = current.find(pattern, start)
+        chars = left + chars[start:]
+    return chars, found
+
+
+def inside(found: Sequence[tuple[int, int]], place: int) -> int | None:
+    """Where the first of the patterns `found` that `place` cuts through starts (None:
+    it cuts through none)."""
+    starts = [first for first, last in found if first < place <= last]
+    return min(starts) if starts else None
 
 
 def crossing(raw: str, place: int) -> int | None:
     """Where the first pattern of the clean-up that crosses `place` in a raw text, whole
-    or begun, starts (None: none does). Each pattern starts with a space: only the last
-    few spaces before `place` are looked at."""
+    or begun, starts (None: none does); only the last few spaces before it are looked at."""
     first = None
     start = raw.rfind(" ", max(0, place - LONGEST_PATTERN + 1), place)
     while start >= 0 and start > place - LONGEST_PATTERN:
@@ -401,33 +440,28 @@ def crossing(raw: str, place: int) -> int | None:
 
 def settled_length(raw: str) -> int:
     """How much of a raw text's start (not cleaned up yet) no text after it changes the
-    clean-up of: up to where no pattern of the clean-up crosses, whole or begun (" "
-    before a ".", " n" before "'t", " ' " before a "." that is cleaned up first)."""
+    clean-up of: up to where a pattern the text after it may make whole begins (" "
+    before a ".", " n" before "'t", " ' " before a "." that is cleaned up first), and
+    not through a pattern it took spaces out of ("a ' b" is "a'b"). Read first as though
+    it took every pattern whole in the text (cheap: a few places looked at); where those
+    overlap all along (a run of " '", of which it takes every other), as it does."""
     cut = len(raw)
     while (start := crossing(raw, cut)) is not None:
-        cut = start  # the text from where the pattern starts waits
+        cut = start
+    if len(raw) - cut <= LONGEST_PATTERN:
+        return cut
+    cut = len(raw) - len(begun_end(raw))
+    _, found = cleaned_up(raw)
+    while (start := inside(found, cut)) is not None:
+        cut = start
     return cut
 
 
 def kept_counts(raw: str, text: str) -> list[int] | None:
-    """For each place in a raw text, how much of its cleaned-up `text` lies before it:
-    the clean-up done again, each space it takes out followed (a run of spaces loses
-    the one before the "."). None where that is not how `text` came of it (a clean-up of
-    the tokenizer's own)."""
-    chars = list(range(len(raw)))  # where in the raw text each character still there is
-    for pattern in CLEANED_UP:  # each in turn, as `str.replace` finds them
-        current = "".join(raw[i] for i in chars)
-        left: list[int] = []
-        at = current.find(pattern)
-        start = 0
-        while at >= 0:
-            left += chars[start:at]
-            left += [
-                i for i, c in zip(chars[at : at + len(pattern)], pattern, strict=True) if c != " "
-            ]
-            start = at + len(pattern)
-            at = current.find(pattern, start)
-        chars = left + chars[start:]
+    """For each place in a raw text, how much of its cleaned-up `text` lies before it
+    (`cleaned_up`). None where that is not how `text` came of it (a clean-up of the
+    tokenizer's own)."""
+    chars, _ = cleaned_up(raw)
     if "".join(raw[i] for i in chars) != text:
         return None
     counts, kept = [0], set(chars)
