@@ -103,12 +103,13 @@ class TextPieces:
         """`next_piece` where the tokenizer cleans up: read in the raw text, each text
         cleaned up as `decode` cleans it, the end a clean-up may yet change held."""
         raw_before, raw_after = self._window(ids)
-        if self.prefix_offset == 0 and self.context and self._prompt_end_changed(raw_after):
+        prompt_end = self.decode(self.context) if self.prefix_offset == 0 and self.context else ""
+        if prompt_end and not self.clean(raw_after).startswith(self.clean(prompt_end)):
             # the new tokens change the prompt's end (a clean-up takes the space before
             # a "."): decoded alone, as `generated_text` then decodes them
-            self.context = []
+            self.context, prompt_end = [], ""
             raw_before, raw_after = self._window(ids)
-        before, after, unsettled = self._cleaned(raw_before, raw_after, last)
+        before, after, unsettled = self._cleaned(raw_before, raw_after, prompt_end, last)
         if not last and (
             raw_after.endswith("\ufffd") or len(after) <= len(before) and not unsettled
         ):
@@ -150,18 +151,15 @@ class TextPieces:
                     self.settled_offset, self.prefix_offset = places
                     return
 
-    def _prompt_end_changed(self, raw_after: str) -> bool:
-        """Whether the window's text no longer starts with the prompt's end's."""
-        return not self.clean(raw_after).startswith(self.clean(self.decode(self.context)))
-
-    def _cleaned(self, raw_before: str, raw_after: str, last: bool) -> tuple[str, str, int]:
+    def _cleaned(
+        self, raw_before: str, raw_after: str, prompt_end: str, last: bool
+    ) -> tuple[str, str, int]:
         """The window's text given out so far and what may be given now, cleaned up, and
         how much of its raw text a clean-up may yet change (" " before a ".", " n"
-        before "'t"): held until the text after it tells (the prompt's end is given)."""
+        before "'t"): held until the text after it tells (the prompt's end, the raw text
+        the window starts with while it starts at the prompt, is given)."""
         settled = len(raw_after) if last else settled_length(raw_after)
-        if self.prefix_offset == 0 and self.context:
-            settled = max(settled, len(self.decode(self.context)))
-        unsettled = len(raw_after) - settled
+        unsettled = len(raw_after) - max(settled, len(prompt_end))
         before = self.clean(raw_before[: len(raw_before) - self.held])
         return before, self.clean(raw_after[: len(raw_after) - unsettled]), unsettled
 
@@ -381,8 +379,6 @@ def byte_values(tokenizer: Any) -> dict[int, int]:
 # " '" (" ." goes first), " n ' t" is "n't" (" ' " makes " n't")
 CLEANED_UP = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
 MADE_BY_CLEANING = (" ' .", " ' ?", " ' !", " ' ,", " n ' t", "  ' m", "  ' s", "  ' ve", "  ' re")
-
-
 CLEANUP_PATTERNS = CLEANED_UP + MADE_BY_CLEANING
 LONGEST_PATTERN = max(map(len, CLEANUP_PATTERNS))
 PATTERN_STARTS = frozenset(p[:n] for p in CLEANUP_PATTERNS for n in range(1, len(p)))
