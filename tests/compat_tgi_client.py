@@ -34,6 +34,9 @@ def main(base_url: str) -> None:
     calls = {
         "generate": lambda: client.generate(PROMPT, max_new_tokens=5),
         "generate_stop": lambda: client.generate(PROMPT, max_new_tokens=5, stop_sequences=["x"]),
+        "generate_penalized": lambda: client.generate(
+            PROMPT, max_new_tokens=5, frequency_penalty=2.0
+        ),
         "generate_stream": lambda: list(client.generate_stream(PROMPT, max_new_tokens=5)),
         "chat": lambda: client.chat(messages=messages, max_tokens=3, temperature=0),
         "watermark": lambda: client.generate(PROMPT, max_new_tokens=5, watermark=True),

@@ -157,7 +157,6 @@ def test_decoder_input_details_lists_the_prompts_tokens_as_tgi_does(servers):
         ("best_of", 2),
         ("watermark", True),
         ("truncate", 10),
-        ("frequency_penalty", 0.5),
     ],
 )
 @pytest.mark.parametrize("path", ["/generate", "/"])
@@ -267,6 +266,21 @@ def test_post_root_streams_the_text_it_answers_whole(inference_client, full_text
     assert "".join(event.token.text for event in events) == whole.removeprefix(shown)
 
 
+def test_inference_clients_frequency_penalty_is_served_as_tgi_serves_it(servers, inference_client):
+    """InferenceClient's `frequency_penalty` (TGI's: each token's share of the prompt and
+    the tokens made so far) answers, the same on every TGI route and streamed."""
+    asked = {"max_new_tokens": 8, "do_sample": False, "frequency_penalty": 2.0}
+    asked["return_full_text"] = False
+    penalized = inference_client.text_generation(PROMPT, **asked)
+    streamed = list(inference_client.text_generation(PROMPT, stream=True, **asked))
+    assert "".join(streamed) == penalized
+    document = {"inputs": PROMPT, "parameters": {**CLIENT_DEFAULTS, **asked}}
+    status, answer = servers["chat"].post_json(document, "/generate")
+    assert status == 200 and answer["generated_text"] == penalized, answer
+    plain = inference_client.text_generation(PROMPT, **{**asked, "frequency_penalty": 0})
+    assert plain != penalized  # (the tiny model repeats itself: the penalty changes that)
+
+
 def test_post_root_and_generate_stream_send_the_same_tokens(servers):
     parameters = {"max_new_tokens": 8, "do_sample": False, "return_full_text": False}
     document = {"inputs": PROMPT, "parameters": parameters}
@@ -316,6 +330,14 @@ def test_tgi_client_generates(servers, tgi_client_answers):
     assert answer["generated_text"] == direct["generated_text"]
     assert len(answer["details"]["tokens"]) == answer["details"]["generated_tokens"]
     assert "raised" not in tgi_client_answers["generate_stop"]
+    penalized = tgi_client_answers["generate_penalized"]
+    assert "raised" not in penalized, penalized
+    parameters = {**CLIENT_DEFAULTS, "max_new_tokens": 5, "frequency_penalty": 2.0}
+    status, direct = servers["chat"].post_json(
+        {"inputs": PROMPT, "parameters": parameters}, "/generate"
+    )
+    assert status == 200 and penalized["generated_text"] == direct["generated_text"]
+    assert penalized["generated_text"] != answer["generated_text"]
 
 
 def test_tgi_client_streams(tgi_client_answers):

@@ -66,7 +66,21 @@ def test_the_parameters_tgis_client_sends_unset_are_taken_and_left_out():
 )
 def test_a_neutral_value_is_taken_as_unset(name, neutral):
     assert TASK is not None
-    assert name not in check_params(TASK, {name: neutral})
+    assert check_params(TASK, {name: neutral}) == {}
+
+
+@pytest.mark.parametrize("value", [2, -2, 0.5, -0.25])
+def test_tgis_frequency_penalty_goes_to_the_worker_as_tgis_not_openais(value):
+    """TGI's penalty (each token's share of the sequence, the prompt's tokens too) is
+    not OpenAI's (its count among the new tokens), which the OpenAI routes send the
+    worker as `frequency_penalty`: TGI's travels under a name of its own."""
+    assert TASK is not None
+    assert check_params(TASK, {"frequency_penalty": value}) == {
+        "sequence_frequency_penalty": float(value)
+    }
+    for wrong in (2.01, -2.5, "0.5", True):
+        with pytest.raises(InvalidRequest, match="'frequency_penalty' must be"):
+            check_params(TASK, {"frequency_penalty": wrong})
 
 
 @pytest.mark.parametrize(
@@ -75,7 +89,6 @@ def test_a_neutral_value_is_taken_as_unset(name, neutral):
         ("best_of", 2),
         ("watermark", True),
         ("truncate", 0),
-        ("frequency_penalty", 0.1),
         ("adapter_id", "lora"),
         ("watermark", 0),  # false is not 0
     ],
@@ -374,6 +387,8 @@ REFUSED_BY_VALIDATION = [
     pytest.param({"typical_p": 1.5}, id="typical_p above 1"),
     pytest.param({"stop": [""]}, id="blank stop"),
     pytest.param({"best_of": 2}, id="best_of"),
+    pytest.param({"frequency_penalty": 2.5}, id="frequency_penalty above 2"),
+    pytest.param({"frequency_penalty": -3}, id="frequency_penalty below -2"),
     pytest.param({"beam_width": 2}, id="unknown parameter"),
 ]
 

@@ -1003,6 +1003,98 @@ def test_openais_penalties_change_only_the_generated_tokens_as_over_the_whole_vo
     assert torch.equal(scores, expected)
 
 
+def test_tgis_frequency_penalty_takes_each_tokens_share_of_its_sequence_off_its_score():
+    """TGI's `frequency_penalty`: the penalty times the share of the row's sequence (its
+    prompt's tokens and its new ones) a token makes up, padding not counted."""
+    import torch
+
+    from rawserve.worker.scores import ScoreAdjustments
+
+    scores = torch.zeros(2, 6)
+    # row 0: two places of padding (id 0), then 3, 0, 3, 1; row 1: six tokens, no padding
+    sequence = torch.tensor([[0, 0, 3, 0, 3, 1], [4, 4, 2, 2, 4, 0]])
+    counted = torch.tensor([[False, False, True, True, True, True], [True] * 6])
+    adjustments = ScoreAdjustments.asked({"sequence_frequency_penalty": 2.0}, 6)
+    assert adjustments is not None and adjustments.reads_sequence
+    assert not adjustments.penalizes  # (OpenAI's, which read the new tokens only)
+    adjustments.apply(scores, torch.zeros(2, 0, dtype=torch.long), sequence, counted)
+    expected = [
+        [-0.5, -0.5, 0.0, -1.0, 0.0, 0.0],  # of 4 tokens: 0 once, 3 twice, 1 once
+        [-1 / 3, 0.0, -2 / 3, 0.0, -1.0, 0.0],  # of 6: 0 once, 2 twice, 4 three times
+    ]
+    assert torch.allclose(scores, torch.tensor(expected))
+    assert ScoreAdjustments.asked({"sequence_frequency_penalty": 0.0}, 6) is None
+
+
+@pytest.mark.parametrize("penalty", [2.0, -1.5, 0.3])
+def test_tgis_frequency_penalty_is_tgis_over_the_whole_vocabulary(penalty):
+    # (TGI's processor: each token's count over the sequence's length, times the
+    # penalty, off every score; written only where a token stands, to the bit the same)
+    import torch
+
+    from rawserve.worker.scores import ScoreAdjustments
+
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 500, generator=generator) * 4
+    sequence = torch.randint(0, 40, (3, 60), generator=generator)
+    counts = torch.zeros_like(scores).scatter_add_(1, sequence, torch.ones(sequence.shape))
+    expected = scores - counts / sequence.shape[1] * penalty
+    ScoreAdjustments(sequence_frequency_penalty=penalty).apply(scores, sequence[:, 50:], sequence)
+    assert torch.equal(scores, expected)
+
+
+class TgisFrequencyPenalty:
+    """TGI's frequency penalty as its processor computes it, for `generate` on one
+    unpadded prompt: each token's count in the sequence over its length, times the
+    penalty, off every score."""
+
+    def __init__(self, penalty: float):
+        self.penalty = penalty
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, input_ids, torch.ones(input_ids.shape, dtype=scores.dtype)
+        )
+        return scores - counts / input_ids.shape[1] * self.penalty
+
+
+def generated_with_tgis_penalty(runner, text: str, penalty: float, new: int) -> list[int]:
+    """The tokens `generate` makes for `text` alone, greedy, under TGI's own penalty."""
+    import torch
+
+    encoded = runner.tokenizer([text], return_tensors="pt")
+    with torch.inference_mode():
+        made = runner.model.generate(
+            **encoded,
+            max_new_tokens=new,
+            do_sample=False,
+            logits_processor=[TgisFrequencyPenalty(penalty)],
+            pad_token_id=runner.tokenizer.pad_token_id,
+        )
+    return made[0, encoded["input_ids"].shape[1] :].tolist()
+
+
+def test_tgis_frequency_penalty_answers_as_tgi_on_both_paths(runner):
+    """Each prompt's tokens are those TGI's processor makes, on the loop and on the
+    static path, alone or padded beside a longer prompt (padding counts for nothing)."""
+    params = {**GREEDY, "max_new_tokens": 12, "sequence_frequency_penalty": 2.0}
+    texts = ["the movie was", "good film, bad film " * 5, "word word word word"]
+
+    def ids(answer: Any) -> list[int]:
+        return [token["id"] for token in answer[0]["details"]["tokens"]]
+
+    for text, got, _ in as_the_static_path(runner, params, texts):
+        assert ids(got) == generated_with_tgis_penalty(runner, text, 2.0, 12)
+    padded = runner.run([*texts, "word " * 110], dict(params))
+    for text, answer in zip(texts, padded, strict=False):
+        assert ids(answer) == generated_with_tgis_penalty(runner, text, 2.0, 12)
+        # (not what it makes unpenalized: the penalty was applied)
+        plain = runner.run([text], {**GREEDY, "max_new_tokens": 12})[0]
+        assert ids(plain) != ids(answer)
+
+
 def test_a_row_is_unusable_for_a_nan_a_positive_infinity_or_no_finite_score():
     import torch
 
@@ -3884,6 +3976,31 @@ def test_a_beam_search_answers_what_generate_makes(beams):
     assert [token["logprob"] for token in streamed] == pytest.approx(
         [token["logprob"] for token in first]
     )
+
+
+def test_a_beam_search_takes_tgis_frequency_penalty_as_generate_with_tgis_processor(beams):
+    """Each prompt's beams read its own tokens: alone, or padded beside a longer prompt
+    (each prompt's beams one after another in `generate`'s rows), `generate`'s answer
+    with TGI's processor."""
+    import torch
+
+    params = {**GREEDY, "max_new_tokens": 8, "sequence_frequency_penalty": 2.0}
+    texts = ["the movie was", "good film, bad film " * 5]
+    together = beams.run(texts, dict(params))
+    for text, answer in zip(texts, together, strict=True):
+        encoded = beams.tokenizer([text], return_tensors="pt")
+        with torch.inference_mode():
+            made = beams.model.generate(
+                **encoded,
+                max_new_tokens=8,
+                do_sample=False,
+                logits_processor=[TgisFrequencyPenalty(2.0)],
+                pad_token_id=beams.tokenizer.pad_token_id,
+            )
+        expected = made[0, encoded["input_ids"].shape[1] :].tolist()
+        assert [token["id"] for token in answer[0]["details"]["tokens"]] == expected
+        plain = beams.run([text], {**GREEDY, "max_new_tokens": 8})[0]
+        assert plain[0]["generated_text"] != answer[0]["generated_text"]
 
 
 def test_a_beam_search_ends_no_answer_past_a_stop_sequence(beams):

@@ -173,7 +173,7 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
         except ValueError as exc:
             raise InvalidRequest(f"parameter {name!r} {exc}") from None
         if value is not IGNORED:
-            checked[name] = value
+            checked[task.worker_names.get(name, name)] = value
     return checked
 
 

@@ -53,6 +53,9 @@ class Task:
     # The Inference API sends this task's parameters at the top level of the body
     # (feature-extraction: `{"inputs": ..., "normalize": true}`), not under "parameters".
     params_at_root: bool = False
+    # Parameters the worker knows by another name, the client's name first: TGI's
+    # `frequency_penalty` is not OpenAI's (which the OpenAI routes send the worker).
+    worker_names: Mapping[str, str] = field(default_factory=dict)
     # Top-level fields besides inputs/parameters/options (text-generation: "stream").
     extra_fields: frozenset[str] = frozenset()
     single_answer: str = SingleAnswer.ITEM

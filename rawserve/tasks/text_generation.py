@@ -16,7 +16,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rawserve.shared.token_columns import listed, token_count
-from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, prompt
+from rawserve.tasks.checks import (
+    IGNORED,
+    boolean,
+    checker,
+    float_range,
+    ignored,
+    int_range,
+    prompt,
+)
 from rawserve.tasks.rules import MAX_NEW_TOKENS, Task
 
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
@@ -293,6 +301,21 @@ def grammar(value: Any) -> dict[str, Any]:
     raise ValueError('type must be "json", "json_object", "json_schema" or "regex"')
 
 
+# TGI's frequency penalty, as the worker knows it: each token's share of the sequence so
+# far (its prompt and new tokens) times the penalty, taken off its score. Not OpenAI's,
+# which counts the new tokens only and takes the count (the OpenAI routes send that one)
+SEQUENCE_FREQUENCY_PENALTY = "sequence_frequency_penalty"
+PENALTY_RANGE = float_range(-2.0, 2.0)
+
+
+@checker({"type": "number", "minimum": -2, "maximum": 2})
+def frequency_penalty(value: Any) -> float | None:
+    """TGI's bounds; 0 (no penalty, which TGI's client may send) left out, so such a
+    request batches with those that send none."""
+    penalty = PENALTY_RANGE(value)
+    return penalty or IGNORED
+
+
 TASK = Task(
     "text-generation",
     prompt,
@@ -314,15 +337,16 @@ TASK = Task(
         "top_n_tokens": int_range(0, MAX_TOP_N_TOKENS),
         # the prompt's tokens with their log probabilities, in the details' `prefill`
         "decoder_input_details": boolean,
+        "frequency_penalty": frequency_penalty,
         # TGI's parameters that rawserve does not serve: its client sends each of them,
         # null or false (or their neutral value) when unset; anything else is a 422
         "best_of": ignored(1),
-        "frequency_penalty": ignored(0),
         "truncate": ignored(),
         "watermark": ignored(False),
         "grammar": grammar,
         "adapter_id": ignored(),
     },
+    worker_names={"frequency_penalty": SEQUENCE_FREQUENCY_PENALTY},
     extra_fields=frozenset({"stream"}),
     # the pipeline's shape: [{"generated_text"}] per input (and its details when asked)
     output_schema={

@@ -908,7 +908,8 @@ class CausalLMRunner(Runner):
         processors: list[Any] = []
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)
         if adjustments is not None:  # before the recorder: the log probabilities follow them
-            processors.append(Adjuster(adjustments, encoded["input_ids"].shape[1]))
+            width = encoded["input_ids"].shape[1]
+            processors.append(Adjuster(adjustments, width, encoded.get("attention_mask")))
         if params.get("grammar"):
             held = [
                 self.held_to(params, row, chat) or params["grammar"]
@@ -999,7 +1000,8 @@ class CausalLMRunner(Runner):
             keep_tokens=listed,
         )
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)
-        processors = [] if adjustments is None else [Adjuster(adjustments, width)]
+        mask = encoded.get("attention_mask")
+        processors = [] if adjustments is None else [Adjuster(adjustments, width, mask)]
         stops = BeamStops(
             self.tokenizer,
             prompt_width=width,

@@ -130,7 +130,7 @@ class Generation:
     # ends in the text of this new token or a later one
     stops_after: int = 0
     ignore_eos: bool = False  # an end of sequence does not end it (it runs to its cap)
-    adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties
+    adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties, TGI's
     grammar: Any = None  # what it may generate: a `Held` grammar (rawserve.worker.grammars)
     # its grammar while it compiles (a `PendingMatcher`): it joins once the grammar is ready
     compiling: Any = None
@@ -161,14 +161,21 @@ class Generation:
     waited_steps: int = 0  # decoding steps it waited for company (`join_wait_steps`)
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
-    # its ids on the device, for its repetition penalty (prompt and new tokens) and its
-    # frequency and presence penalties (new tokens): grown a step at a time
+    # its ids on the device, for its repetition penalty and TGI's frequency penalty (prompt
+    # and new tokens) and OpenAI's frequency and presence penalties (new tokens): grown a
+    # step at a time
     seen: TokenRun | None = None
     made: TokenRun | None = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def sequence(self, device: torch.device) -> torch.Tensor:
+        """Its prompt's and new tokens' ids on `device` (`seen`, grown to this step)."""
+        if self.seen is None:
+            self.seen = TokenRun(self.prompt_ids, device)
+        return self.seen.after(self.tokens)
 
     @property
     def takes_the_likeliest(self) -> bool:
@@ -777,15 +784,15 @@ class ContinuousBatcher:
                 continue
             penalty = generation.repetition_penalty
             if penalty is not None and penalty != 1.0:
-                if generation.seen is None:
-                    generation.seen = TokenRun(generation.prompt_ids, scores.device)
-                seen = generation.seen.after(generation.tokens)
-                penalize_repetition(scores[index], penalty, seen)
+                penalize_repetition(scores[index], penalty, generation.sequence(scores.device))
             if (adjustments := generation.adjustments) is not None:
                 if generation.made is None:
                     generation.made = TokenRun((), scores.device)
                 made = generation.made.after(generation.tokens if adjustments.penalizes else ())
-                adjustments.apply(scores[index : index + 1], made[None])
+                whole = generation.sequence(scores.device) if adjustments.reads_sequence else None
+                adjustments.apply(
+                    scores[index : index + 1], made[None], None if whole is None else whole[None]
+                )
             # (a grammar says itself when the end may come; with ignore_eos the end token
             # ends nothing, so there is no end to hold back, as `generate` has none)
             holds_end = generation.grammar is None and not generation.ignore_eos

@@ -40,14 +40,32 @@ class ScoreRecorder(transformers.LogitsProcessor):
 
 
 class Adjuster(transformers.LogitsProcessor):
-    """OpenAI's logit bias and penalties (`ScoreAdjustments`) on `generate`'s scores."""
+    """OpenAI's logit bias and penalties and TGI's frequency penalty (`ScoreAdjustments`)
+    on `generate`'s scores."""
 
-    def __init__(self, adjustments: ScoreAdjustments, prompt_width: int):
+    def __init__(
+        self,
+        adjustments: ScoreAdjustments,
+        prompt_width: int,
+        prompt_mask: torch.Tensor | None = None,
+    ):
         self.adjustments = adjustments
         self.prompt_width = prompt_width  # where each row's new tokens start
+        # how many of each row's first places are padding (prompts are padded on the left;
+        # `prompt_mask`: the batch's attention mask, None: no row is padded)
+        self.padding = None if prompt_mask is None else prompt_width - prompt_mask.sum(1)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.adjustments.apply(scores, input_ids[:, self.prompt_width :])
+        sequence = counted = None
+        if self.adjustments.reads_sequence:
+            sequence = input_ids
+            if self.padding is not None:
+                padding = self.padding.to(input_ids.device)
+                # (a beam search's rows: each prompt's beams one after another)
+                padding = padding.repeat_interleave(len(input_ids) // len(padding))
+                places = torch.arange(input_ids.shape[1], device=input_ids.device)
+                counted = places[None, :] >= padding[:, None]
+        self.adjustments.apply(scores, input_ids[:, self.prompt_width :], sequence, counted)
         return scores
 
 

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
+from rawserve.tasks.text_generation import SEQUENCE_FREQUENCY_PENALTY
+
 # the least temperature a draw divides by: below it a row's scores could overflow to
 # infinities and leave nothing to draw from (at it, the draw is all but greedy)
 MIN_TEMPERATURE = 1e-5
@@ -40,15 +42,18 @@ class Sampling(Protocol):
 
 @dataclass(frozen=True)
 class ScoreAdjustments:
-    """OpenAI's changes to a row's scores before a token is chosen, after the repetition
-    penalty (as `generate` applies its own processors first): `logit_bias` added to the
-    tokens it names, then `frequency_penalty` taken off a token's score for each time it
-    was generated and `presence_penalty` once if it was (the new tokens only, not the
-    prompt's, as vLLM counts them)."""
+    """OpenAI's and TGI's changes to a row's scores before a token is chosen, after the
+    repetition penalty (as `generate` applies its own processors first): `logit_bias`
+    added to the tokens it names, then `frequency_penalty` taken off a token's score for
+    each time it was generated and `presence_penalty` once if it was (the new tokens only,
+    not the prompt's, as vLLM counts them); TGI's `sequence_frequency_penalty` taken off
+    times the token's share of the whole sequence so far, its prompt's tokens too (as TGI
+    reads its `frequency_penalty`)."""
 
     logit_bias: tuple[tuple[int, float], ...] = ()
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    sequence_frequency_penalty: float = 0.0
     # the bias's tokens and values on the scores' device, copied there at the first step:
     # copied at every step, each copy waited for the device (a GPU's queue), a row at a time
     biased: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(
@@ -70,16 +75,31 @@ class ScoreAdjustments:
             bias,
             float(params.get("frequency_penalty") or 0.0),
             float(params.get("presence_penalty") or 0.0),
+            float(params.get(SEQUENCE_FREQUENCY_PENALTY) or 0.0),
         )
         return adjustments if adjustments != cls() else None
 
     @property
     def penalizes(self) -> bool:
+        """Whether it reads the tokens each row generated (`made`)."""
         return bool(self.frequency_penalty or self.presence_penalty)
 
-    def apply(self, scores: torch.Tensor, made: torch.Tensor) -> None:
+    @property
+    def reads_sequence(self) -> bool:
+        """Whether it reads each row's whole sequence, its prompt too (`sequence`)."""
+        return bool(self.sequence_frequency_penalty)
+
+    def apply(
+        self,
+        scores: torch.Tensor,
+        made: torch.Tensor,
+        sequence: torch.Tensor | None = None,
+        counted: torch.Tensor | None = None,
+    ) -> None:
         """Rows of scores, in place, given the tokens each row generated so far (`made`: a
-        row of ids each)."""
+        row of ids each) and, where it `reads_sequence`, each row's prompt and new tokens
+        (`sequence`, rows of ids; `counted`: True where a place holds one of the row's
+        tokens, False where it holds padding; None: every place does)."""
         if self.logit_bias:
             key = scores.device, scores.dtype
             if key not in self.biased:
@@ -90,6 +110,8 @@ class ScoreAdjustments:
                 )
             tokens_on, biases_on = self.biased[key]
             scores.index_add_(1, tokens_on, biases_on.expand(len(scores), -1))
+        if self.reads_sequence and sequence is not None and sequence.shape[1]:
+            self._penalize_shares(scores, sequence, counted)
         if made.shape[1] == 0 or not self.penalizes:
             return
         ones = torch.ones(made.shape, dtype=scores.dtype, device=scores.device)
@@ -100,6 +122,22 @@ class ScoreAdjustments:
         # was generated, each time the same
         penalty = counts * self.frequency_penalty + (counts > 0) * self.presence_penalty
         scores.scatter_(1, made, scores.gather(1, made) - penalty)
+
+    def _penalize_shares(
+        self, scores: torch.Tensor, sequence: torch.Tensor, counted: torch.Tensor | None
+    ) -> None:
+        """TGI's frequency penalty: each token of a row's sequence scores lower by the
+        penalty times the share of the sequence it makes up. A padding place counts for
+        nothing, and its token's score is written with what its count says (the same
+        value wherever that token stands)."""
+        if counted is None:
+            weights = torch.ones(sequence.shape, dtype=scores.dtype, device=scores.device)
+        else:
+            weights = counted.to(scores.dtype)
+        counts = torch.zeros_like(scores).scatter_add_(1, sequence, weights).gather(1, sequence)
+        lengths = weights.sum(1, keepdim=True).clamp(min=1.0)
+        penalty = counts / lengths * self.sequence_frequency_penalty
+        scores.scatter_(1, sequence, scores.gather(1, sequence) - penalty)
 
 
 def unusable(scores: torch.Tensor) -> torch.Tensor:
