@@ -156,7 +156,6 @@ def test_decoder_input_details_lists_the_prompts_tokens_as_tgi_does(servers):
     [
         ("best_of", 2),
         ("watermark", True),
-        ("truncate", 10),
     ],
 )
 @pytest.mark.parametrize("path", ["/generate", "/"])
@@ -279,6 +278,40 @@ def test_inference_clients_frequency_penalty_is_served_as_tgi_serves_it(servers,
     assert status == 200 and answer["generated_text"] == penalized, answer
     plain = inference_client.text_generation(PROMPT, **{**asked, "frequency_penalty": 0})
     assert plain != penalized  # (the tiny model repeats itself: the penalty changes that)
+
+
+def test_inference_clients_truncate_reads_a_long_prompts_last_tokens(
+    servers, inference_client, tiny_model
+):
+    """TGI's `truncate`: a prompt past the model's positions (refused whole) is answered
+    from its last tokens, as those tokens alone; more than `max_input_tokens` is TGI's
+    validation error."""
+    from huggingface_hub.errors import ValidationError
+
+    long = "the movie was good and the film was bad " * 40
+    asked = {"max_new_tokens": 4, "do_sample": False, "details": True}
+    with pytest.raises(ValidationError, match="context length"):
+        inference_client.text_generation(long, **asked)
+    cut = inference_client.text_generation(long, truncate=12, **asked)
+    assert cut.generated_text.startswith(long)  # (POST /'s full text: the prompt as sent)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model("chat"))(long)["input_ids"][-12:]
+    status, alone = servers["chat"].post_json(
+        {"prompt": ids, "max_tokens": 4, "temperature": 0}, "/v1/completions"
+    )
+    assert status == 200 and cut.generated_text == long + alone["choices"][0]["text"], alone
+    streamed = list(inference_client.text_generation(long, truncate=12, stream=True, **asked))
+    assert streamed[-1].details.input_length == 12  # (the prompt's tokens, as TGI counts)
+    status, _, info = servers["chat"].request("GET", "/info")
+    past = json.loads(info)["max_input_tokens"] + 1
+    status, refused = servers["chat"].post_json({"inputs": long}, "/generate")
+    assert status == 422 and 'send "truncate" to read only its last tokens' in refused["error"]
+    for path in ("/generate", "/generate_stream"):
+        document = {"inputs": "the movie", "parameters": {"truncate": past}}
+        status, answer = servers["chat"].post_json(document, path)
+        assert status == 422 and answer["error_type"] == "validation", answer
+        assert f"truncate is {past}" in answer["error"]
 
 
 def test_post_root_and_generate_stream_send_the_same_tokens(servers):

@@ -88,7 +88,6 @@ def test_tgis_frequency_penalty_goes_to_the_worker_as_tgis_not_openais(value):
     [
         ("best_of", 2),
         ("watermark", True),
-        ("truncate", 0),
         ("adapter_id", "lora"),
         ("watermark", 0),  # false is not 0
     ],
@@ -389,6 +388,8 @@ REFUSED_BY_VALIDATION = [
     pytest.param({"best_of": 2}, id="best_of"),
     pytest.param({"frequency_penalty": 2.5}, id="frequency_penalty above 2"),
     pytest.param({"frequency_penalty": -3}, id="frequency_penalty below -2"),
+    pytest.param({"truncate": 0}, id="truncate 0"),
+    pytest.param({"truncate": 1.5}, id="truncate not a whole number"),
     pytest.param({"beam_width": 2}, id="unknown parameter"),
 ]
 

@@ -1095,6 +1095,33 @@ def test_tgis_frequency_penalty_answers_as_tgi_on_both_paths(runner):
         assert ids(plain) != ids(answer)
 
 
+def test_tgis_truncate_reads_only_a_prompts_last_tokens_on_both_paths(runner):
+    """TGI's `truncate`: a prompt longer than the model reads (441 tokens of 256
+    positions) is cut from the left to its last `truncate` tokens, and answered as
+    those tokens sent alone; a shorter prompt is read whole."""
+    text = "the movie was good and the film was bad " * 40
+    ids = runner.tokenizer(text)["input_ids"]
+    assert len(ids) > POSITIONS
+    asked = {**GREEDY, "max_new_tokens": 6, "decoder_input_details": True}
+    asked["return_full_text"] = False
+    batches = [
+        Batch(0, (text,), {**asked, "truncate": 20}),
+        Batch(1, (ids[-20:],), asked),
+        Batch(2, ("the movie was",), {**asked, "truncate": 200}),
+    ]
+    answered = results(serve(runner, {0: batches}))
+    cut, alone, short = (answered[b.batch_id].outputs[0] for b in batches)
+    assert_alike(cut, alone)
+    assert cut[0]["details"]["prompt_tokens"] == len(cut[0]["details"]["prefill"]) == 20
+    assert [t["id"] for t in cut[0]["details"]["prefill"]] == ids[-20:]
+    assert_alike(short, static(runner, "the movie was", {**asked}))
+    # the static path, beside a prompt not cut (padded to the longer of the two)
+    together = runner.run([text, "the movie was good"], {**asked, "truncate": 20})
+    assert without_logprobs(together[0]) == without_logprobs(cut)
+    with pytest.raises(ValueError, match="the prompt is 441 tokens"):
+        runner.run([text], dict(asked))
+
+
 def test_a_row_is_unusable_for_a_nan_a_positive_infinity_or_no_finite_score():
     import torch
 

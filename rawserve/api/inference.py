@@ -31,7 +31,7 @@ from rawserve.api.prompts import (
     UNCUT_TASKS,
     check_details_size,
     check_input_lengths,
-    check_lengths,
+    check_tgi_lengths,
 )
 from rawserve.api.routing import (
     ANY_MODEL,
@@ -369,7 +369,7 @@ class InferenceRoutes:
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
         if task == "text-generation":
-            await check_lengths(self.context.tokenizers, model, parsed.inputs, chat=False)
+            await check_tgi_lengths(self.context.tokenizers, model, parsed.inputs, parsed.params)
         elif task in UNCUT_TASKS:
             await check_input_lengths(self.context.tokenizers, model, parsed.inputs)
         elif task in WINDOWED_TASKS:

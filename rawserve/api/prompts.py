@@ -4,13 +4,13 @@ an echo shows them.
 
 A causal LM reads its prompt and then writes at least one token within its positions, so a
 prompt of as many tokens as it has positions cannot be answered at all (text generation
-does not cut prompts); one only scored (`max_tokens` 0 with `echo`) may fill them. Left to
-the worker, such a prompt is refused only when it runs; while it waits it is counted in
-the queue at its full length (a 900 KB text: hundreds of thousands of tokens), which made
-every other client's `Retry-After` and deadline check see a queue that would take many
-minutes to drain. Counted here, in the server, with the model's own tokenizer
-(`tokens.ServerTokenizer`), a piece at a time and never past the limit, it is refused in
-milliseconds and never waits.
+cuts no prompt, unless TGI's `truncate` asks it to); one only scored (`max_tokens` 0 with
+`echo`) may fill them. Left to the worker, such a prompt is refused only when it runs;
+while it waits it is counted in the queue at its full length (a 900 KB text: hundreds of
+thousands of tokens), which made every other client's `Retry-After` and deadline check
+see a queue that would take many minutes to drain. Counted here, in the server, with the
+model's own tokenizer (`tokens.ServerTokenizer`), a piece at a time and never past the
+limit, it is refused in milliseconds and never waits.
 
 A chat is counted by its messages' texts with what its template surely adds, as its
 worker measured at load (rawserve.worker.template_costs): the tokens of each message's
@@ -49,6 +49,11 @@ from rawserve.tasks.windows import COUNT_MARGIN, TOKENS_PER_CHARACTER
 
 T = TypeVar("T")
 
+# what a refusal of a prompt past the positions ends with: OpenAI's routes cut none, TGI's
+# parameters cut one where asked
+UNCUT = "text generation does not cut prompts"
+CUT_WITH_TRUNCATE = 'send "truncate" to read only its last tokens'
+
 
 async def check_lengths(
     tokenizers: ServerTokenizers,
@@ -57,18 +62,29 @@ async def check_lengths(
     chat: bool,
     scored: bool = False,
     least_new: int = 1,
+    truncate: int | None = None,
+    remedy: str = UNCUT,
 ) -> None:
     """422 when a prompt leaves no room for `least_new` new tokens (or, `scored`, when
     nothing is generated after it, has more tokens than the positions); nothing when the
     model or its tokenizer is not known here (the worker still refuses such a prompt). A
-    prompt of token ids is counted as it is."""
+    prompt of token ids is counted as it is. With TGI's `truncate` the worker reads only
+    that many of a prompt's last tokens: the prompts fit where that many do (TGI refuses
+    more than its max_input_tokens, as here). A refusal ends with `remedy`."""
     positions = model.positions
     if positions < 1:
         return
     # the prompt's tokens, and the new tokens after them (none after a prompt only scored)
     most = positions if scored else positions - least_new
+    if truncate is not None:
+        if truncate > most:
+            raise UnprocessableInput(
+                f"truncate is {truncate}, and this model reads at most {most} tokens of a "
+                "prompt (its max_input_tokens), to leave room for one new token"
+            )
+        return
     if any(isinstance(prompt, list) and len(prompt) > most for prompt in prompts):
-        raise too_long(most, scored)
+        raise too_long(most, scored, remedy)
     if chat:
         await check_chat_lengths(tokenizers, model, prompts, most, scored)
         return
@@ -79,7 +95,21 @@ async def check_lengths(
     try:
         await by_length(texts, count_within, tokenizer, texts, most, True)
     except TooManyTokens:
-        raise too_long(most, scored) from None
+        raise too_long(most, scored, remedy) from None
+
+
+async def check_tgi_lengths(
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    prompts: Sequence[Any],
+    params: Mapping[str, Any],
+) -> None:
+    """`check_lengths` for TGI's parameters (`/generate`, `/generate_stream`, a
+    text-generation model's `POST /`): its `truncate` taken, and a refusal naming it."""
+    truncate = params.get("truncate")
+    await check_lengths(
+        tokenizers, model, prompts, chat=False, truncate=truncate, remedy=CUT_WITH_TRUNCATE
+    )
 
 
 async def longest_prompt(
@@ -330,14 +360,14 @@ async def by_length(texts: Sequence[str], work: Callable[..., T], *args: Any) ->
     return await asyncio.to_thread(work, *args)
 
 
-def too_long(most: int, scored: bool = False) -> UnprocessableInput:
+def too_long(most: int, scored: bool = False, remedy: str = UNCUT) -> UnprocessableInput:
     """The refusal of a prompt past the positions. Its words name the model's context
     length, as OpenAI's and vLLM's do: litellm raises ContextWindowExceededError (which
     its Router's `context_window_fallbacks` act on) for a message that does."""
     room = "to be scored" if scored else "to leave room for one new token"
     return UnprocessableInput(
         f"a prompt is longer than the model's context length: it takes at most {most} "
-        f"tokens {room} (text generation does not cut prompts)"
+        f"tokens {room} ({remedy})"
     )
 
 

@@ -28,7 +28,7 @@ from rawserve.api.fields import MODEL
 from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
 from rawserve.api.openai import GENERATION
 from rawserve.api.outcomes import unwrap
-from rawserve.api.prompts import check_details_size, check_lengths
+from rawserve.api.prompts import check_details_size, check_tgi_lengths
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Operation, Route, Schema
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
@@ -205,5 +205,5 @@ class TgiRoutes:
             check_generation_length(params, model.limits.max_new_tokens)
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
-        await check_lengths(self.context.tokenizers, model, parsed.inputs, chat=False)
+        await check_tgi_lengths(self.context.tokenizers, model, parsed.inputs, params)
         return model, ParsedRequest(parsed.inputs, params, is_list=False)

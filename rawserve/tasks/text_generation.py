@@ -306,6 +306,7 @@ def grammar(value: Any) -> dict[str, Any]:
 # which counts the new tokens only and takes the count (the OpenAI routes send that one)
 SEQUENCE_FREQUENCY_PENALTY = "sequence_frequency_penalty"
 PENALTY_RANGE = float_range(-2.0, 2.0)
+MAX_TRUNCATE = 2**31 - 1  # (TGI's a u32; a model's own max_input_tokens bounds it further)
 
 
 @checker({"type": "number", "minimum": -2, "maximum": 2})
@@ -338,10 +339,12 @@ TASK = Task(
         # the prompt's tokens with their log probabilities, in the details' `prefill`
         "decoder_input_details": boolean,
         "frequency_penalty": frequency_penalty,
+        # TGI's: only the prompt's last `truncate` tokens are read; at most the model's
+        # max_input_tokens (the server checks it against the model, as TGI's validation)
+        "truncate": int_range(1, MAX_TRUNCATE),
         # TGI's parameters that rawserve does not serve: its client sends each of them,
         # null or false (or their neutral value) when unset; anything else is a 422
         "best_of": ignored(1),
-        "truncate": ignored(),
         "watermark": ignored(False),
         "grammar": grammar,
         "adapter_id": ignored(),

@@ -494,6 +494,13 @@ class CausalLMRunner(Runner):
         return self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
 
     def prompt_ids(self, item: Any, params: dict[str, Any]) -> list[int]:
+        """One prompt's token ids (`whole_prompt_ids`), of which TGI's `truncate` keeps
+        the last that many (TGI cuts a prompt from the left: what was said last stays)."""
+        ids = self.whole_prompt_ids(item, params)
+        cut = params.get("truncate")
+        return ids[-cut:] if cut else ids
+
+    def whole_prompt_ids(self, item: Any, params: dict[str, Any]) -> list[int]:
         """One prompt's token ids: a text tokenized, a chat (`{"messages": [...]}`, OpenAI's)
         rendered with the chat template, or ids as they came (OpenAI's completions take
         them; ValueError for one the model has no embedding for)."""
