@@ -34,6 +34,9 @@ def main(base_url: str) -> None:
     calls = {
         "generate": lambda: client.generate(PROMPT, max_new_tokens=5),
         "generate_stop": lambda: client.generate(PROMPT, max_new_tokens=5, stop_sequences=["x"]),
+        "generate_best_of": lambda: client.generate(
+            PROMPT, max_new_tokens=5, best_of=2, do_sample=True
+        ),
         "generate_penalized": lambda: client.generate(
             PROMPT, max_new_tokens=5, frequency_penalty=2.0
         ),

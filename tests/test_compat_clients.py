@@ -154,7 +154,6 @@ def test_decoder_input_details_lists_the_prompts_tokens_as_tgi_does(servers):
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("best_of", 2),
         ("watermark", True),
     ],
 )
@@ -205,7 +204,8 @@ REFUSED_BY_VALIDATION = [
     pytest.param(PROMPT, {"max_new_tokens": 0}, id="max_new_tokens 0"),
     pytest.param(PROMPT, {"max_new_tokens": 100_000}, id="max_new_tokens past the positions"),
     pytest.param(PROMPT, {"do_sample": True, "temperature": -1}, id="temperature below 0"),
-    pytest.param(PROMPT, {"do_sample": True, "best_of": 2}, id="best_of"),
+    pytest.param(PROMPT, {"best_of": 2}, id="best_of without sampling"),
+    pytest.param(PROMPT, {"do_sample": True, "best_of": 2, "seed": 5}, id="best_of with a seed"),
     pytest.param("", {"max_new_tokens": 2}, id="blank prompt"),
     pytest.param("word " * 400, {"max_new_tokens": 2}, id="prompt past the positions"),
 ]
@@ -314,6 +314,42 @@ def test_inference_clients_truncate_reads_a_long_prompts_last_tokens(
         assert f"truncate is {past}" in answer["error"]
 
 
+def test_inference_clients_best_of_gives_the_likeliest_of_its_sampled_answers(
+    servers, inference_client
+):
+    """TGI's `best_of`: as many answers sampled, each with a seed of its own, the one whose
+    tokens' log probabilities add up highest given, the others under `best_of_sequences`;
+    the answer given is the one its seed makes alone. Streamed, it is TGI's 422."""
+    from huggingface_hub.errors import ValidationError
+
+    asked = {"max_new_tokens": 6, "do_sample": True, "return_full_text": False}
+    answer = inference_client.text_generation(PROMPT, best_of=2, details=True, **asked)
+    others = answer.details.best_of_sequences
+    assert len(others) == 1
+    seeds = {answer.details.seed, *(other.seed for other in others)}
+    assert len(seeds) == 2  # (each sampled with a seed of its own)
+
+    def chance(tokens: list) -> float:
+        return sum(token.logprob for token in tokens)
+
+    assert all(chance(answer.details.tokens) >= chance(other.tokens) for other in others)
+    alone = inference_client.text_generation(PROMPT, seed=answer.details.seed, **asked)
+    assert alone == answer.generated_text
+    for other in others:
+        again = inference_client.text_generation(PROMPT, seed=other.seed, **asked)
+        assert again == other.generated_text
+    plain = inference_client.text_generation(PROMPT, best_of=2, **asked)
+    assert isinstance(plain, str)  # (without details, the text alone)
+    # (each answer an item: no more than --max-client-batch-size, 2 here)
+    with pytest.raises(ValidationError, match="best_of 3 for 1 prompt makes 3 generations"):
+        inference_client.text_generation(PROMPT, best_of=3, **asked)
+    with pytest.raises(ValidationError, match="best_of above 1 is not allowed"):
+        list(inference_client.text_generation(PROMPT, best_of=2, stream=True, **asked))
+    document = {"inputs": PROMPT, "parameters": {**asked, "best_of": 2}}
+    status, refused = servers["chat"].post_json(document, "/generate_stream")
+    assert status == 422 and refused["error_type"] == "validation", refused
+
+
 def test_post_root_and_generate_stream_send_the_same_tokens(servers):
     parameters = {"max_new_tokens": 8, "do_sample": False, "return_full_text": False}
     document = {"inputs": PROMPT, "parameters": parameters}
@@ -363,6 +399,9 @@ def test_tgi_client_generates(servers, tgi_client_answers):
     assert answer["generated_text"] == direct["generated_text"]
     assert len(answer["details"]["tokens"]) == answer["details"]["generated_tokens"]
     assert "raised" not in tgi_client_answers["generate_stop"]
+    best = tgi_client_answers["generate_best_of"]
+    assert "raised" not in best, best
+    assert len(best["details"]["best_of_sequences"]) == 1
     penalized = tgi_client_answers["generate_penalized"]
     assert "raised" not in penalized, penalized
     parameters = {**CLIENT_DEFAULTS, "max_new_tokens": 5, "frequency_penalty": 2.0}

@@ -21,7 +21,7 @@ from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Refusal
 from rawserve.serving.service import ModelService
 from rawserve.shared.messages import FailureKind, ItemFailure
 from rawserve.tasks import InvalidRequest, UnservedParameter, check_params, task_rules
-from rawserve.tasks.text_generation import API_SAMPLING, MAX_STOP_SEQUENCES
+from rawserve.tasks.text_generation import API_SAMPLING, MAX_BEST_OF, MAX_STOP_SEQUENCES
 from tests.test_model_selection import ReadyWorkers, served
 
 TASK = task_rules("text-generation")
@@ -86,7 +86,6 @@ def test_tgis_frequency_penalty_goes_to_the_worker_as_tgis_not_openais(value):
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("best_of", 2),
         ("watermark", True),
         ("adapter_id", "lora"),
         ("watermark", 0),  # false is not 0
@@ -220,6 +219,9 @@ class GeneratingQueue:
         control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
         self.params.append(dict(params))
+        return self.answers(inputs, params)
+
+    def answers(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> list[ItemResult]:
         output: dict[str, Any] = {"generated_text": " and so on"}
         if params.get("details"):
             output["details"] = WORKER_DETAILS
@@ -320,7 +322,7 @@ async def test_info_holds_what_tgis_info_requires_for_a_model_that_generates():
     assert info["max_input_length"] == 63  # TGI 1.x's name of max_input_tokens
     # with no token budget, a batch holds its items' prompts and new tokens (the README)
     assert info["max_batch_tokens"] == info["max_batch_requests"] * info["max_total_tokens"]
-    assert info["max_best_of"] == 1 and info["max_stop_sequences"] == MAX_STOP_SEQUENCES
+    assert info["max_best_of"] == MAX_BEST_OF and info["max_stop_sequences"] == MAX_STOP_SEQUENCES
     assert isinstance(info["validation_workers"], int) and isinstance(info["router"], str)
     # and not where the model /info describes does not generate
     emb = served("emb", "feature-extraction")
@@ -385,7 +387,10 @@ REFUSED_BY_VALIDATION = [
     pytest.param({"typical_p": 0}, id="typical_p 0"),
     pytest.param({"typical_p": 1.5}, id="typical_p above 1"),
     pytest.param({"stop": [""]}, id="blank stop"),
-    pytest.param({"best_of": 2}, id="best_of"),
+    pytest.param({"best_of": 2}, id="best_of without sampling"),
+    pytest.param({"best_of": 2, "do_sample": True, "seed": 1}, id="best_of with a seed"),
+    pytest.param({"best_of": MAX_BEST_OF + 1, "do_sample": True}, id="best_of past its most"),
+    pytest.param({"best_of": 0, "do_sample": True}, id="best_of 0"),
     pytest.param({"frequency_penalty": 2.5}, id="frequency_penalty above 2"),
     pytest.param({"frequency_penalty": -3}, id="frequency_penalty below -2"),
     pytest.param({"truncate": 0}, id="truncate 0"),
@@ -459,3 +464,75 @@ async def test_post_root_keeps_rawserves_types_for_a_model_that_does_not_generat
     response = await app.handle(post("/models/gen", body))  # the generation model's path
     assert response.status == 422
     assert json.loads(response.body)["error_type"] == "validation"
+
+
+def test_best_of_gives_the_answer_whose_tokens_are_likeliest_the_first_of_equals():
+    """TGI's choice: the answer whose new tokens' log probabilities add up highest (read
+    from the worker's columns), the first of equals; the others follow in order, in
+    TGI's shape, where details are asked, and no details otherwise."""
+    from rawserve.api.best_of import best_output
+    from rawserve.shared.token_columns import TokenColumns, columns
+
+    def answer(text: str, logprobs: list[float]) -> dict[str, Any]:
+        tokens = columns([{"id": 5, "text": "x", "logprob": p, "special": False} for p in logprobs])
+        assert isinstance(tokens, TokenColumns)
+        details = {"finish_reason": "length", "generated_tokens": len(logprobs), "seed": 7}
+        return {
+            "generated_text": text,
+            "details": {**details, "prompt_tokens": 3, "tokens": tokens},
+        }
+
+    outputs = [answer("a", [-1.0, -2.0]), answer("b", [-0.5, -1.0]), answer("c", [-1.5])]
+    chosen = best_output(outputs, details=True)
+    assert chosen["generated_text"] == "b"
+    others = chosen["details"]["best_of_sequences"]
+    assert [other["generated_text"] for other in others] == ["a", "c"]  # ("c" ties "b")
+    assert all("prompt_tokens" not in other for other in others)  # (TGI's fields only)
+    assert [len(other["tokens"]) for other in others] == [2, 1]
+    assert best_output(outputs, details=False) == {"generated_text": "b"}
+
+
+class RankedQueue(GeneratingQueue):
+    """Answers each item with its place in the call for its text and its token's log
+    probability (-place % 3); an item whose text is "fails" fails."""
+
+    def answers(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> list[ItemResult]:
+        results = []
+        for place, text in enumerate(inputs):
+            if text == "fails":
+                failure = ItemFailure(FailureKind.INPUT, "no answer to that")
+                results.append(ItemResult(failure, 0.0, 1, 0.001))
+                continue
+            token = {"id": 3, "text": "x", "logprob": -float(place % 3), "special": False}
+            details = {**WORKER_DETAILS, "seed": place, "tokens": [token]}
+            results.append(
+                ItemResult(
+                    [{"generated_text": f"{text}{place}", "details": details}], 0.0, 1, 0.001
+                )
+            )
+        return results
+
+
+async def test_post_roots_best_of_answers_each_prompt_with_the_best_of_its_own_answers():
+    """Each prompt's answers are items in a row (their details asked of the worker, and
+    `best_of` not sent it); each prompt is answered with its own best, as the pipeline
+    shapes a list's answers; a failed answer fails the request, named as its prompt's."""
+    queue = RankedQueue()
+    gen = ServedModel("gen", ModelService(queue, ReadyWorkers("text-generation")))
+    app = App(ServedModels([gen]))
+    asked = {"best_of": 3, "do_sample": True}
+    response = await app.handle(post("/", {"inputs": ["a", "b"], "parameters": asked}))
+    assert response.status == 200, response.body
+    # places 0-2 are a's (log probabilities 0, -1, -2), 3-5 b's (0, -1, -2): each its first
+    assert json.loads(response.body) == [[{"generated_text": "a0"}], [{"generated_text": "b3"}]]
+    assert queue.params[-1]["details"] is True and "best_of" not in queue.params[-1]
+    with_details = await app.handle(
+        post("/generate", {"inputs": "b", "parameters": {**asked, "details": True}})
+    )
+    chosen = json.loads(with_details.body)
+    assert chosen["generated_text"] == "b0" and chosen["details"]["seed"] == 0
+    others = chosen["details"]["best_of_sequences"]
+    assert [(o["generated_text"], o["seed"]) for o in others] == [("b1", 1), ("b2", 2)]
+    failed = await app.handle(post("/", {"inputs": ["a", "fails"], "parameters": asked}))
+    assert failed.status == 422, failed.body
+    assert json.loads(failed.body)["error"] == "the input at index 1: no answer to that"

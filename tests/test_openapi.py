@@ -161,7 +161,14 @@ def test_a_generations_details_are_as_the_document_says(servers):
     assert status == 200, body
     Draft202012Validator(schema).validate(body)
     assert body["details"]["prefill"][0]["logprob"] is None
-    assert set(body["details"]) == set(schema["properties"]["details"]["properties"])
+    described = set(schema["properties"]["details"]["properties"])
+    assert set(body["details"]) == described - {"best_of_sequences"}
+    # and with TGI's best_of, the answers not chosen beside
+    sampled = {**asked, "best_of": 2, "do_sample": True}
+    status, body = server.post_json({"inputs": "hello there", "parameters": sampled}, "/generate")
+    assert status == 200, body
+    Draft202012Validator(schema).validate(body)
+    assert set(body["details"]) == described and len(body["details"]["best_of_sequences"]) == 1
     # /invocations answers it in a list, as its own document says (it said /generate's),
     # and a completion's body as a completion (the first fix said a list alone)
     invoked = document(server)["paths"]["/invocations"]["post"]["responses"]["200"]

@@ -16,6 +16,7 @@ from rawserve.shared.token_columns import (
     TokenLists,
     columns,
     listed,
+    logprob_sum,
     token_count,
     token_lists,
 )
@@ -121,3 +122,14 @@ def test_openai_answers_are_the_same_bytes_from_columns(chat, top_n):
         return dumps(shape.whole([output], ["fox"], echoed))
 
     assert answered(as_columns(worker_output(top_n))) == answered(worker_output(top_n))
+
+
+def test_a_lists_log_probabilities_add_up_the_same_from_columns():
+    """(TGI's best_of picks by them) a prompt's first token, without one, adds nothing."""
+    output = worker_output(0)
+    for name in ("prefill", "tokens"):
+        plain = output["details"][name]
+        held = as_columns(output)["details"][name]
+        assert isinstance(held, TokenColumns)
+        expected = sum(each["logprob"] for each in plain if each["logprob"] is not None)
+        assert logprob_sum(plain) == logprob_sum(held) == expected

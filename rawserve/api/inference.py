@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rawserve.api import schemas
+from rawserve.api.best_of import asked_copies, best_of_each, for_copies, repeated
 from rawserve.api.bodies import (
     built_answer,
     check_client_batch,
@@ -376,6 +377,12 @@ class InferenceRoutes:
             await check_windows(self.context.tokenizers, model, parsed.inputs, parsed.params)
         elif task == "zero-shot-classification":
             await check_hypotheses(self.context.tokenizers, model, parsed.params)
+        copies = 1  # TGI's best_of: so many answers of each prompt, the likeliest given
+        asked_details = bool(parsed.params.get("details"))
+        if task == "text-generation":
+            copies = asked_copies(parsed.params, len(parsed.inputs), max_items, parsed.stream)
+            params = for_copies(parsed.params, copies)
+            parsed = replace(parsed, inputs=repeated(parsed.inputs, copies), params=params)
         deadline = self.context.deadline(request)
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive
@@ -389,11 +396,15 @@ class InferenceRoutes:
         elif task == "fill-mask":
             check_fillings_size(model, parsed.inputs, parsed.params, largest)
         results = await model.run(parsed.inputs, parsed.params, deadline)
-        outputs = unwrap_all(results)
+        if copies > 1:  # (each prompt's answers in a row: its failure named as the prompt's)
+            outputs = best_of_each(results, copies, asked_details)
+        else:
+            outputs = unwrap_all(results)
         # feature-extraction's token vectors make answers of tens of megabytes, and so do
         # text-generation's details listing a long prompt's tokens
         if task == "text-generation":  # the pipeline's [{"generated_text", "details"}]
-            generated = [output for output in outputs if isinstance(output, list)]
+            made = [result.output for result in results]
+            generated = [output for output in made if isinstance(output, list)]
             entries = sum(listed_tokens(each) for output in generated for each in output)
         else:
             entries = vector_entries(outputs)

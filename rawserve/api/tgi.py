@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from rawserve.api import schemas
+from rawserve.api.best_of import asked_copies, best_output, for_copies
 from rawserve.api.bodies import built_answer, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import MODEL
@@ -37,6 +38,7 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import InvalidRequest, check_generation_length
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
+    MAX_BEST_OF,
     MAX_STOP_SEQUENCES,
     listed_tokens,
     prompt_details_on,
@@ -92,6 +94,16 @@ GENERATE_RESPONSE: Schema = {
                     "items": {"type": "array", "items": TOKEN},
                     "description": "with `top_n_tokens`: each new token's likeliest",
                 },
+                "best_of_sequences": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["generated_text", "finish_reason", "generated_tokens"],
+                        "properties": {"generated_text": {"type": "string"}},
+                    },
+                    "description": "with `best_of` above 1: the answers not chosen, "
+                    "each with its own details",
+                },
             },
         },
     },
@@ -108,7 +120,7 @@ def tgi_info(model: ServedModel) -> dict[str, Any]:
     max_input_tokens = max(positions - 1, 0)  # a prompt leaves room for one token
     return {
         "model_pipeline_tag": TASK,
-        "max_best_of": 1,  # best_of above 1 is refused
+        "max_best_of": MAX_BEST_OF,  # (and no more than --max-client-batch-size)
         "max_stop_sequences": MAX_STOP_SEQUENCES,
         "max_input_tokens": max_input_tokens,
         # TGI 1.x's name of the same limit (TEI's field of this name is an encoder's length)
@@ -162,16 +174,26 @@ class TgiRoutes:
 
     async def generate(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)
+        most = self.context.settings.max_client_batch_size
+        copies = asked_copies(parsed.params, 1, most, streamed=False)
+        params = for_copies(parsed.params, copies)
+        inputs = parsed.inputs * copies  # (TGI's best_of: each answer a generation)
         largest = self.context.settings.max_answer_bytes
         tokenizers = self.context.tokenizers
-        await check_details_size(tokenizers, model, parsed.inputs, parsed.params, largest)
-        results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
-        [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
+        await check_details_size(tokenizers, model, inputs, params, largest)
+        results = await model.run(inputs, params, self.context.deadline(request))
+        outputs = []
+        for result in results:
+            [output] = unwrap(result)  # the pipeline's [{"generated_text", "details"}]
+            outputs.append(output)
+        output = best_output(outputs, bool(parsed.params.get("details")))
+        entries = sum(listed_tokens(each) for each in outputs)
         # a long prompt's tokens listed make an answer of megabytes: built on a thread
-        return await built_answer(lambda: tgi_output(output), results, listed_tokens(output))
+        return await built_answer(lambda: tgi_output(output), results, entries)
 
     async def generate_stream(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)
+        asked_copies(parsed.params, 1, 1, streamed=True)  # (TGI streams one answer)
         deadline = self.context.deadline(request)
         keepalive = self.context.settings.stream_keepalive
         return await open_token_stream(

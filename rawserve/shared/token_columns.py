@@ -210,3 +210,11 @@ def listed(tokens: Any) -> Any:
     if isinstance(tokens, TokenLists):
         return tokens.rows()
     return tokens
+
+
+def logprob_sum(tokens: Sequence[dict[str, Any]]) -> float:
+    """The tokens' log probabilities added up (a token without one adds nothing), read
+    from the column where they are columns: no dict is made."""
+    if isinstance(tokens, TokenColumns):
+        return float(np.nansum(tokens.logprobs))
+    return sum(token["logprob"] for token in tokens if token["logprob"] is not None)

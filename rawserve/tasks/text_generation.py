@@ -71,7 +71,15 @@ MAX_STOP_SEQUENCES = 16
 # top_logprobs goes to 20; TGI's own server defaults to 5)
 MAX_TOP_N_TOKENS = 20
 # the fields of TGI's `Details` (an answer's) and `StreamDetails` (a stream's last event)
-TGI_DETAILS = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens")
+TGI_DETAILS = (
+    "finish_reason",
+    "generated_tokens",
+    "seed",
+    "prefill",
+    "tokens",
+    "top_tokens",
+    "best_of_sequences",  # (the answers not chosen, under TGI's `best_of`)
+)
 TGI_STREAM_DETAILS = ("finish_reason", "generated_tokens", "input_length", "seed")
 
 
@@ -317,6 +325,19 @@ def frequency_penalty(value: Any) -> float | None:
     return penalty or IGNORED
 
 
+MAX_BEST_OF = 16  # (TGI's own default is 2; each is a generation of its own)
+
+
+@checker({"type": "integer", "minimum": 1, "maximum": MAX_BEST_OF})
+def best_of(value: Any) -> int | None:
+    """1 (one answer, which TGI's client may send) left out, as with none."""
+    copies = BEST_OF_RANGE(value)
+    return copies if copies > 1 else IGNORED
+
+
+BEST_OF_RANGE = int_range(1, MAX_BEST_OF)
+
+
 TASK = Task(
     "text-generation",
     prompt,
@@ -342,9 +363,10 @@ TASK = Task(
         # TGI's: only the prompt's last `truncate` tokens are read; at most the model's
         # max_input_tokens (the server checks it against the model, as TGI's validation)
         "truncate": int_range(1, MAX_TRUNCATE),
+        # TGI's: so many sampled answers, the likeliest given (rawserve.api.best_of)
+        "best_of": best_of,
         # TGI's parameters that rawserve does not serve: its client sends each of them,
         # null or false (or their neutral value) when unset; anything else is a 422
-        "best_of": ignored(1),
         "watermark": ignored(False),
         "grammar": grammar,
         "adapter_id": ignored(),

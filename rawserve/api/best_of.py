@@ -1,0 +1,91 @@
+"""TGI's `best_of`: several sampled answers of one prompt, the likeliest of them given.
+
+Each answer is a generation of its own, queued as an item (as the OpenAI routes' `n`
+choices are), each sampled with a seed of its own; the answer whose new tokens' log
+probabilities add up highest is given, as TGI picks it, and with `details` the others
+follow under its `best_of_sequences`. TGI's validation is kept: `best_of` above 1 only
+with sampling, without a `seed` (every answer would be the same), and never streamed.
+Server process; never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rawserve.api.outcomes import unwrap_all
+from rawserve.http.errors import BadRequest
+from rawserve.serving.face import ItemResult
+from rawserve.shared.messages import ItemFailure
+from rawserve.shared.token_columns import logprob_sum
+from rawserve.tasks.text_generation import tgi_output
+
+# what TGI reads as asking for sampling, beside `do_sample`
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "typical_p")
+
+
+def asked_copies(params: Mapping[str, Any], prompts: int, most: int, streamed: bool) -> int:
+    """How many answers each of `prompts` prompts is generated (1 where `best_of` is not
+    asked); 400 (TGI's clients read 422 "validation") where TGI refuses the request, or
+    where the answers together are more than `most` (--max-client-batch-size) items."""
+    copies = int(params.get("best_of") or 1)
+    if copies == 1:
+        return 1
+    if streamed:
+        raise BadRequest("best_of above 1 is not allowed when the answer streams")
+    if not (params.get("do_sample") or any(params.get(name) for name in SAMPLING_SETTINGS)):
+        raise BadRequest("best_of above 1 needs sampling (do_sample, or a sampling setting)")
+    if params.get("seed") is not None:
+        raise BadRequest("seed must not be set when best_of is above 1")
+    if copies * prompts > most:
+        raise BadRequest(
+            f"best_of {copies} for {prompts} prompt{'s' if prompts > 1 else ''} makes "
+            f"{copies * prompts} generations, and one request may ask at most {most} "
+            "(--max-client-batch-size)"
+        )
+    return copies
+
+
+def for_copies(params: Mapping[str, Any], copies: int) -> dict[str, Any]:
+    """The worker's parameters: `best_of` is the server's to read, and the details of
+    several copies are asked for, since the best is chosen by its tokens' log
+    probabilities."""
+    worker = {name: value for name, value in params.items() if name != "best_of"}
+    if copies > 1:
+        worker["details"] = True
+    return worker
+
+
+def repeated(inputs: Sequence[Any], copies: int) -> list[Any]:
+    """Each input `copies` times in a row: its answers' items."""
+    return [item for item in inputs for _ in range(copies)]
+
+
+def best_of_each(results: Sequence[ItemResult], copies: int, details: bool) -> list[Any]:
+    """`POST /`'s outputs, one for each prompt, from its `copies` results in a row (each
+    the pipeline's `[{"generated_text", "details"}]`): its best answer (`best_output`),
+    or the HTTP error of a failed one, named as the prompt's (of several, its index)."""
+    groups = [results[start : start + copies] for start in range(0, len(results), copies)]
+    first_failed = [
+        next((each for each in group if isinstance(each.output, ItemFailure)), group[0])
+        for group in groups
+    ]
+    unwrap_all(first_failed)
+    return [[best_output([each.output[0] for each in group], details)] for group in groups]
+
+
+def best_output(outputs: Sequence[Any], details: bool) -> Any:
+    """Of one prompt's answers (each the worker's `{"generated_text", "details"}`), the
+    one whose new tokens' log probabilities add up highest (the first of equals, as
+    TGI's picks it); with `details` the others follow in order, in TGI's shape, under its
+    details' `best_of_sequences`, else it goes without details (asked for the choice)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    chances = [logprob_sum(output["details"]["tokens"]) for output in outputs]
+    best = max(range(len(outputs)), key=lambda index: (chances[index], -index))
+    chosen = outputs[best]
+    if not details:
+        return {name: value for name, value in chosen.items() if name != "details"}
+    others = [tgi_output(output) for index, output in enumerate(outputs) if index != best]
+    sequences = [{"generated_text": o["generated_text"], **o["details"]} for o in others]
+    return {**chosen, "details": {**chosen["details"], "best_of_sequences": sequences}}
