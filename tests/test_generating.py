@@ -2472,6 +2472,22 @@ def test_a_prompt_holding_a_token_the_model_cannot_read_fails_its_item_alone(unr
     assert f"embedding table has {rows} rows" in failed.message
 
 
+def test_a_token_the_model_cannot_read_is_no_fault_where_truncate_cuts_it_off(unresized):
+    """TGI's `truncate`: the token is refused only where it is read; cut off with the
+    prompt's start, the prompt is answered as its kept tokens are alone (on both paths)."""
+    bad = f"{UNREADABLE_TOKEN} the movie was good and the film was bad"
+    kept = unresized.tokenizer(bad)["input_ids"][-6:]
+    params = {**GREEDY, "max_new_tokens": 4, "return_full_text": False}
+    answered = results(serve(unresized, {0: [Batch(1, (bad, kept), {**params, "truncate": 6})]}))
+    cut, alone = answered[1].outputs
+    assert without_logprobs(cut) == without_logprobs(alone), cut
+    assert without_logprobs(unresized.run([bad], {**params, "truncate": 6})[0]) == (
+        without_logprobs(alone)
+    )
+    [refused] = serve(unresized, {0: [Batch(2, (bad,), {**params, "truncate": 12})]})[-1:]
+    assert isinstance(refused, BatchResult) and isinstance(refused.outputs[0], ItemFailure)
+
+
 def test_chat_inputs_render_with_the_template_as_the_static_path(tiny_model):
     import torch
 

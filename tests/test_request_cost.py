@@ -350,6 +350,9 @@ def test_the_prompt_s_tokens_in_tgi_details_over_the_bound_are_refused_before_th
         ("/generate", long_one, without),
         ("/generate", half, asked),
         ("/", [half], asked),
+        # TGI's truncate: the prompts list only their last 20 tokens each
+        ("/generate", long_one, {**asked, "truncate": 20}),
+        ("/", [long_one, half], {**asked, "truncate": 20}),
     ):
         status, body = post(app, path, {"inputs": inputs, "parameters": parameters})
         assert status != 413, body

@@ -1939,6 +1939,11 @@ def test_only_labels_a_question_with_a_context_or_a_stride_is_read_more_than_onc
     assert model_tokens({"question": "who?"}, dense, 1000, None) == 1000
     assert model_tokens({"question": 3, "context": "x"}, dense, 1000, None) == 1000
     assert model_tokens("a text", {}, 1000, 128) == 128  # cut where the model stops reading
+    # TGI's truncate reads a prompt's last tokens; TEI's is a flag, the model's limit
+    assert model_tokens("a text", {"truncate": 20}, 1000, 128) == 20
+    assert model_tokens("a text", {"truncate": 20}, 1000, None) == 20
+    assert model_tokens("a text", {"truncate": 200}, 12, 128) == 12
+    assert model_tokens("a text", {"truncate": True}, 1000, 128) == 128
     assert model_tokens("a text", {"stride": 16}, 1000, 128) == 9 * 128  # read whole
     assert model_tokens("a text", {"stride": 16}, 1000, None) == 1000  # no limit: one read
 

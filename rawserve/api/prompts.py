@@ -305,20 +305,22 @@ async def check_prompt_tokens_size(
     largest: int,
     used: int,
     remedy: str | None = None,
+    truncate: int | None = None,
 ) -> None:
     """413 when the prompts' tokens, listed at `per_token` bytes each, would make an answer
     over `largest` bytes with the `used` bytes counted before them; counted with the
     server's tokenizer only where prompts of the model's whole length would not fit (none
-    where the model is not known yet: its positions are 0)."""
-    positions = model.positions
-    if used + len(prompts) * positions * per_token <= largest:
+    where the model is not known yet: its positions are 0). TGI's `truncate`: no prompt
+    lists more than that many."""
+    longest = model.positions if truncate is None else min(model.positions, truncate)
+    if used + len(prompts) * longest * per_token <= largest:
         return
     counts = [len(prompt) for prompt in prompts if isinstance(prompt, list)]
     texts = [prompt for prompt in prompts if isinstance(prompt, str)]
     tokenizer = await tokenizers.get(model) if texts else None
     if tokenizer is not None:
-        counts += await by_length(texts, tokenizer.count, texts, positions)
-    if used + sum(counts) * per_token > largest:
+        counts += await by_length(texts, tokenizer.count, texts, longest)
+    if used + sum(min(count, longest) for count in counts) * per_token > largest:
         too_large = AnswerTooLarge(largest) if remedy is None else AnswerTooLarge(largest, remedy)
         raise PayloadTooLarge(str(too_large))
 
@@ -336,6 +338,7 @@ async def check_details_size(
     tokens too (its `prefill`, a prompt's whole length: up to the model's positions)."""
     if not params.get("details"):
         return
+    truncate = params.get("truncate")  # (TGI's: the most tokens a prompt lists)
     asked = params.get("max_new_tokens")
     used = check_generated_size(
         model.limits.default_new_tokens if asked is None else asked,
@@ -348,7 +351,7 @@ async def check_details_size(
     if params.get("decoder_input_details"):
         remedy = 'send shorter prompts, or ask without "decoder_input_details"'
         await check_prompt_tokens_size(
-            tokenizers, model, prompts, TGI_LISTED_BYTES, largest, used, remedy
+            tokenizers, model, prompts, TGI_LISTED_BYTES, largest, used, remedy, truncate
         )
 
 

@@ -241,6 +241,9 @@ def model_tokens(item: Any, params: Mapping[str, Any], tokens: int, limit: int |
         return token_classification.window_tokens(tokens, limit, stride)
     if limit is not None:  # the rest truncate
         tokens = min(tokens, limit)
+    cut = params.get("truncate")  # TGI's: a prompt's last that many (TEI's is a flag)
+    if type(cut) is int:
+        tokens = min(tokens, cut)
     labels = params.get("candidate_labels")
     if isinstance(labels, list):
         return zero_shot_classification.pairs_tokens(labels, params, tokens, limit)

@@ -495,19 +495,22 @@ class CausalLMRunner(Runner):
 
     def prompt_ids(self, item: Any, params: dict[str, Any]) -> list[int]:
         """One prompt's token ids (`whole_prompt_ids`), of which TGI's `truncate` keeps
-        the last that many (TGI cuts a prompt from the left: what was said last stays)."""
+        the last that many (TGI cuts a prompt from the left: what was said last stays). A
+        text's or chat's token the model has no embedding for is refused where it is read
+        (one cut off is not)."""
         ids = self.whole_prompt_ids(item, params)
-        cut = params.get("truncate")
-        return ids[-cut:] if cut else ids
+        if cut := params.get("truncate"):
+            ids = ids[-cut:]
+        if params.get(CHAT_PARAM) or not isinstance(item, list):
+            self.refuse_unreadable([ids])
+        return ids
 
     def whole_prompt_ids(self, item: Any, params: dict[str, Any]) -> list[int]:
         """One prompt's token ids: a text tokenized, a chat (`{"messages": [...]}`, OpenAI's)
         rendered with the chat template, or ids as they came (OpenAI's completions take
         them; ValueError for one the model has no embedding for)."""
         if params.get(CHAT_PARAM):
-            ids = self.chat.prompt_ids(item)
-            self.refuse_unreadable([ids])
-            return ids
+            return self.chat.prompt_ids(item)
         if isinstance(item, list):
             unknown = [token_id for token_id in item if not 0 <= token_id < self.vocabulary]
             if unknown:
@@ -516,9 +519,7 @@ class CausalLMRunner(Runner):
                     f"from 0 to {self.vocabulary - 1})"
                 )
             return item
-        ids = list(self.tokenizer(item)["input_ids"])
-        self.refuse_unreadable([ids])
-        return ids
+        return list(self.tokenizer(item)["input_ids"])
 
     def _unasked_new_tokens(self, prompt_length: int) -> int:
         """The new tokens a prompt gets where neither the request nor the model's
