@@ -340,7 +340,9 @@ def test_inference_clients_best_of_gives_the_likeliest_of_its_sampled_answers(
         assert again == other.generated_text
     plain = inference_client.text_generation(PROMPT, best_of=2, **asked)
     assert isinstance(plain, str)  # (without details, the text alone)
-    # (each answer an item: no more than --max-client-batch-size, 2 here)
+    # (each answer an item: no more than --max-client-batch-size, 2 here, as /info says)
+    status, _, info = servers["chat"].request("GET", "/info")
+    assert json.loads(info)["max_best_of"] == 2
     with pytest.raises(ValidationError, match="best_of 3 for 1 prompt makes 3 generations"):
         inference_client.text_generation(PROMPT, best_of=3, **asked)
     with pytest.raises(ValidationError, match="best_of above 1 is not allowed"):

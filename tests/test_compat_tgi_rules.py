@@ -493,46 +493,49 @@ def test_best_of_gives_the_answer_whose_tokens_are_likeliest_the_first_of_equals
 
 
 class RankedQueue(GeneratingQueue):
-    """Answers each item with its place in the call for its text and its token's log
-    probability (-place % 3); an item whose text is "fails" fails."""
+    """Answers each call's items with the call's number after their text, the middle
+    call's (1) likeliest: its token's log probability 0, the others' -1 (the later the
+    further from 1); an item whose text is "fails" fails."""
 
     def answers(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> list[ItemResult]:
+        call = len(self.params) - 1
         results = []
-        for place, text in enumerate(inputs):
+        for text in inputs:
             if text == "fails":
                 failure = ItemFailure(FailureKind.INPUT, "no answer to that")
                 results.append(ItemResult(failure, 0.0, 1, 0.001))
                 continue
-            token = {"id": 3, "text": "x", "logprob": -float(place % 3), "special": False}
-            details = {**WORKER_DETAILS, "seed": place, "tokens": [token]}
-            results.append(
-                ItemResult(
-                    [{"generated_text": f"{text}{place}", "details": details}], 0.0, 1, 0.001
-                )
-            )
+            token = {"id": 3, "text": "x", "logprob": -float(abs(call - 1)), "special": False}
+            details = {**WORKER_DETAILS, "seed": params.get("seed"), "tokens": [token]}
+            output = {"generated_text": f"{text}{call}", "details": details}
+            results.append(ItemResult([output], 0.0, 1, 0.001))
         return results
 
 
 async def test_post_roots_best_of_answers_each_prompt_with_the_best_of_its_own_answers():
-    """Each prompt's answers are items in a row (their details asked of the worker, and
-    `best_of` not sent it); each prompt is answered with its own best, as the pipeline
-    shapes a list's answers; a failed answer fails the request, named as its prompt's."""
+    """Each answer is a call of its own, with a seed of its own (so that it repeats on
+    either generation path), sampled, its details asked of the worker and `best_of` not
+    sent it; each prompt is answered with its own best, as the pipeline shapes a list's
+    answers; a failed answer fails the request, named as its prompt's."""
     queue = RankedQueue()
     gen = ServedModel("gen", ModelService(queue, ReadyWorkers("text-generation")))
     app = App(ServedModels([gen]))
-    asked = {"best_of": 3, "do_sample": True}
+    asked = {"best_of": 3, "temperature": 1.0}  # (TGI's check: a temperature samples)
     response = await app.handle(post("/", {"inputs": ["a", "b"], "parameters": asked}))
     assert response.status == 200, response.body
-    # places 0-2 are a's (log probabilities 0, -1, -2), 3-5 b's (0, -1, -2): each its first
-    assert json.loads(response.body) == [[{"generated_text": "a0"}], [{"generated_text": "b3"}]]
-    assert queue.params[-1]["details"] is True and "best_of" not in queue.params[-1]
+    assert json.loads(response.body) == [[{"generated_text": "a1"}], [{"generated_text": "b1"}]]
+    sent = queue.params[-3:]
+    assert all(p["details"] and p["do_sample"] and "best_of" not in p for p in sent)
+    assert len({p["seed"] for p in sent}) == 3
+    queue.params.clear()
     with_details = await app.handle(
         post("/generate", {"inputs": "b", "parameters": {**asked, "details": True}})
     )
     chosen = json.loads(with_details.body)
-    assert chosen["generated_text"] == "b0" and chosen["details"]["seed"] == 0
+    assert chosen["generated_text"] == "b1" and chosen["details"]["seed"] == queue.params[1]["seed"]
     others = chosen["details"]["best_of_sequences"]
-    assert [(o["generated_text"], o["seed"]) for o in others] == [("b1", 1), ("b2", 2)]
+    assert [o["generated_text"] for o in others] == ["b0", "b2"]
+    assert [o["seed"] for o in others] == [queue.params[0]["seed"], queue.params[2]["seed"]]
     failed = await app.handle(post("/", {"inputs": ["a", "fails"], "parameters": asked}))
     assert failed.status == 422, failed.body
     assert json.loads(failed.body)["error"] == "the input at index 1: no answer to that"

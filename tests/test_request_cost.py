@@ -341,8 +341,14 @@ def test_the_prompt_s_tokens_in_tgi_details_over_the_bound_are_refused_before_th
     app = app_for("text-generation", tokenizer_json, {}, max_answer_bytes=5_000)
     asked = {"details": True, "decoder_input_details": True, "max_new_tokens": 1}
     long_one, half = "hello world " * 60, "hello world " * 30  # about 120 and 60 tokens
-    for path, inputs in (("/generate", long_one), ("/", [half, half])):
-        status, body = post(app, path, {"inputs": inputs, "parameters": asked})
+    best_of = {**asked, "best_of": 2, "do_sample": True}  # (TGI's: two answers listed)
+    for path, inputs, parameters in (
+        ("/generate", long_one, asked),
+        ("/", [half, half], asked),
+        ("/generate", half, best_of),
+        ("/", [half], best_of),
+    ):
+        status, body = post(app, path, {"inputs": inputs, "parameters": parameters})
         assert status == 413, body
         assert "5,000 bytes" in body["error"] and "decoder_input_details" in body["error"]
     without = {**asked, "decoder_input_details": False}
@@ -353,9 +359,15 @@ def test_the_prompt_s_tokens_in_tgi_details_over_the_bound_are_refused_before_th
         # TGI's truncate: the prompts list only their last 20 tokens each
         ("/generate", long_one, {**asked, "truncate": 20}),
         ("/", [long_one, half], {**asked, "truncate": 20}),
+        # best_of without details answers one text: the details it is chosen by, unlisted
+        ("/generate", half, {"max_new_tokens": 60, "best_of": 2, "do_sample": True}),
     ):
         status, body = post(app, path, {"inputs": inputs, "parameters": parameters})
         assert status != 413, body
+    # (with them, its two answers' 60 new tokens each are 6,000 bytes)
+    listed = {"max_new_tokens": 60, "best_of": 2, "do_sample": True, "details": True}
+    status, body = post(app, "/generate", {"inputs": half, "parameters": listed})
+    assert status == 413 and "fewer new tokens" in body["error"], body
 
 
 class CountingTokenizers:

@@ -10,10 +10,13 @@ Server process; never imports torch.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rawserve.api.choices import run_choices
 from rawserve.api.outcomes import unwrap_all
+from rawserve.api.served import ServedModel
 from rawserve.http.errors import BadRequest
 from rawserve.serving.face import ItemResult
 from rawserve.shared.messages import ItemFailure
@@ -46,18 +49,34 @@ def asked_copies(params: Mapping[str, Any], prompts: int, most: int, streamed: b
     return copies
 
 
-def for_copies(params: Mapping[str, Any], copies: int) -> dict[str, Any]:
-    """The worker's parameters: `best_of` is the server's to read, and the details of
-    several copies are asked for, since the best is chosen by its tokens' log
-    probabilities."""
+def copy_params(params: Mapping[str, Any], copies: int) -> list[dict[str, Any]]:
+    """The worker's parameters for each of a prompt's `copies` answers: `best_of` left
+    out (the server's to read); details asked for (the best is chosen by its tokens' log
+    probabilities); sampling on (TGI's check takes a temperature of 1 as asking for it,
+    which alone the worker would decode greedily, every answer the same); and a seed of
+    its own drawn for each, so that each differs and its details' `seed` repeats it, on
+    the static path too (whose rows drawn together would have none to tell)."""
     worker = {name: value for name, value in params.items() if name != "best_of"}
-    if copies > 1:
-        worker["details"] = True
-    return worker
+    worker.update(details=True, do_sample=True)
+    return [{**worker, "seed": secrets.randbits(64)} for _ in range(copies)]
+
+
+async def run_copies(
+    model: ServedModel,
+    prompts: list[Any],
+    params: Mapping[str, Any],
+    copies: int,
+    deadline: float,
+) -> list[ItemResult]:
+    """The prompts' answers, each prompt's `copies` of them one after another (one: as
+    `params` ask, unchanged)."""
+    if copies == 1:
+        return await model.run(prompts, params, deadline)
+    return await run_choices(model, prompts, copy_params(params, copies), deadline)
 
 
 def repeated(inputs: Sequence[Any], copies: int) -> list[Any]:
-    """Each input `copies` times in a row: its answers' items."""
+    """Each input `copies` times in a row, as its answers come."""
     return [item for item in inputs for _ in range(copies)]
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.best_of import asked_copies, best_of_each, for_copies, repeated
+from rawserve.api.best_of import asked_copies, best_of_each, repeated, run_copies
 from rawserve.api.bodies import (
     built_answer,
     check_client_batch,
@@ -378,11 +378,8 @@ class InferenceRoutes:
         elif task == "zero-shot-classification":
             await check_hypotheses(self.context.tokenizers, model, parsed.params)
         copies = 1  # TGI's best_of: so many answers of each prompt, the likeliest given
-        asked_details = bool(parsed.params.get("details"))
         if task == "text-generation":
             copies = asked_copies(parsed.params, len(parsed.inputs), max_items, parsed.stream)
-            params = for_copies(parsed.params, copies)
-            parsed = replace(parsed, inputs=repeated(parsed.inputs, copies), params=params)
         deadline = self.context.deadline(request)
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive
@@ -392,12 +389,13 @@ class InferenceRoutes:
         largest = self.context.settings.max_answer_bytes
         if task == "text-generation":
             tokenizers = self.context.tokenizers
-            await check_details_size(tokenizers, model, parsed.inputs, parsed.params, largest)
+            answers = repeated(parsed.inputs, copies)  # (their details, where asked, listed)
+            await check_details_size(tokenizers, model, answers, parsed.params, largest)
         elif task == "fill-mask":
             check_fillings_size(model, parsed.inputs, parsed.params, largest)
-        results = await model.run(parsed.inputs, parsed.params, deadline)
+        results = await run_copies(model, parsed.inputs, parsed.params, copies, deadline)
         if copies > 1:  # (each prompt's answers in a row: its failure named as the prompt's)
-            outputs = best_of_each(results, copies, asked_details)
+            outputs = best_of_each(results, copies, bool(parsed.params.get("details")))
         else:
             outputs = unwrap_all(results)
         # feature-extraction's token vectors make answers of tens of megabytes, and so do

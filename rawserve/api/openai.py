@@ -15,7 +15,6 @@ text-generation request, batched and cancelled when its client leaves; the bodie
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import functools
 from collections.abc import Awaitable, Callable
@@ -31,6 +30,7 @@ from rawserve.api.bodies import (
     json_response,
     read_json,
 )
+from rawserve.api.choices import run_choices
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, Fields, item_name, text
 from rawserve.api.inference import MODELS_PREFIX
@@ -85,7 +85,7 @@ from rawserve.api.tei_bodies import details
 from rawserve.api.tokens import ServerTokenizers
 from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
+from rawserve.serving.face import EMBEDDING_ROUTE
 from rawserve.tasks.checks import BlankInput, visible
 from rawserve.tasks.text_generation import (
     CHAT_REFUSALS,
@@ -584,22 +584,3 @@ def check_chat_template(model: ServedModel) -> None:
             "this model's tokenizer has no chat template: start the server with "
             "--chat-template FILE (a Jinja template), or use /v1/completions"
         )
-
-
-async def run_choices(
-    model: ServedModel,
-    prompts: list[Any],
-    choices: list[dict[str, Any]],
-    deadline: float,
-) -> list[ItemResult]:
-    """Each prompt's choices, one after another: the prompts queued once for each choice's
-    parameters, all at once (batched together where they are the same)."""
-    if len(choices) == 1:
-        return await model.run(prompts, choices[0], deadline)
-    runs = [asyncio.ensure_future(model.run(prompts, params, deadline)) for params in choices]
-    try:
-        answered = await asyncio.gather(*runs)
-    finally:  # one refused or failed (or its client gone): the others are withdrawn
-        for run in runs:
-            run.cancel()
-    return [answered[j][i] for i in range(len(prompts)) for j in range(len(choices))]

@@ -193,7 +193,10 @@ class OperationsRoutes:
             {**self.info_document(served, server=False), **input_limits(served)}
             for served in self.models.all
         ]
-        document.update(tei_info(model, self.max_client_batch_size), **tgi_info(model))
+        document.update(
+            tei_info(model, self.max_client_batch_size),
+            **tgi_info(model, self.max_client_batch_size),
+        )
         return json_response(200, document)
 
     async def metrics_page(self, request: HttpRequest) -> HttpResponse:

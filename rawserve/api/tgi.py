@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.best_of import asked_copies, best_output, for_copies
+from rawserve.api.best_of import asked_copies, best_output, repeated, run_copies
 from rawserve.api.bodies import built_answer, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import MODEL
@@ -110,17 +110,18 @@ GENERATE_RESPONSE: Schema = {
 }
 
 
-def tgi_info(model: ServedModel) -> dict[str, Any]:
+def tgi_info(model: ServedModel, max_client_batch_size: int | None = None) -> dict[str, Any]:
     """TGI's /info fields, for a model that generates (TGI's `Info` requires them): its
     limits as rawserve checks them, `max_input_length` as TGI 1.x meant it (a prompt's
-    most tokens) in place of TEI's."""
+    most tokens) in place of TEI's; `max_best_of` within `max_client_batch_size` (each
+    answer an item of the request)."""
     if model.task != TASK:
         return {}
     positions = model.positions
     max_input_tokens = max(positions - 1, 0)  # a prompt leaves room for one token
     return {
         "model_pipeline_tag": TASK,
-        "max_best_of": MAX_BEST_OF,  # (and no more than --max-client-batch-size)
+        "max_best_of": min(MAX_BEST_OF, max_client_batch_size or MAX_BEST_OF),
         "max_stop_sequences": MAX_STOP_SEQUENCES,
         "max_input_tokens": max_input_tokens,
         # TGI 1.x's name of the same limit (TEI's field of this name is an encoder's length)
@@ -175,13 +176,13 @@ class TgiRoutes:
     async def generate(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)
         most = self.context.settings.max_client_batch_size
-        copies = asked_copies(parsed.params, 1, most, streamed=False)
-        params = for_copies(parsed.params, copies)
-        inputs = parsed.inputs * copies  # (TGI's best_of: each answer a generation)
+        copies = asked_copies(parsed.params, 1, most, streamed=False)  # (TGI's best_of)
         largest = self.context.settings.max_answer_bytes
         tokenizers = self.context.tokenizers
-        await check_details_size(tokenizers, model, inputs, params, largest)
-        results = await model.run(inputs, params, self.context.deadline(request))
+        answers = repeated(parsed.inputs, copies)  # (their details, where asked, listed)
+        await check_details_size(tokenizers, model, answers, parsed.params, largest)
+        deadline = self.context.deadline(request)
+        results = await run_copies(model, parsed.inputs, parsed.params, copies, deadline)
         outputs = []
         for result in results:
             [output] = unwrap(result)  # the pipeline's [{"generated_text", "details"}]
