@@ -70,6 +70,30 @@ PREFILL_TOKEN: Schema = {
         "logprob": {"type": ["number", "null"]},
     },
 }
+# an answer's details (TGI's `Details`), and those of each answer `best_of` did not choose
+# (its `BestOfSequence`: the same, with the answer's text)
+DETAILS_REQUIRED = ["finish_reason", "generated_tokens", "seed", "prefill", "tokens"]
+DETAILS_PROPERTIES: Schema = {
+    "finish_reason": {"enum": ["length", "eos_token", "stop_sequence"]},
+    "generated_tokens": {"type": "integer"},
+    "seed": {"type": ["integer", "null"]},
+    "prefill": {
+        "type": "array",
+        "items": PREFILL_TOKEN,
+        "description": "the prompt's tokens, with `decoder_input_details`",
+    },
+    "tokens": {"type": "array", "items": TOKEN},
+    "top_tokens": {
+        "type": "array",
+        "items": {"type": "array", "items": TOKEN},
+        "description": "with `top_n_tokens`: each new token's likeliest",
+    },
+}
+BEST_OF_SEQUENCE: Schema = {
+    "type": "object",
+    "required": ["generated_text", *DETAILS_REQUIRED],
+    "properties": {"generated_text": {"type": "string"}, **DETAILS_PROPERTIES},
+}
 GENERATE_RESPONSE: Schema = {
     "type": "object",
     "required": ["generated_text"],
@@ -78,29 +102,12 @@ GENERATE_RESPONSE: Schema = {
         "details": {
             "type": "object",
             "description": "with `parameters.details`",
-            "required": ["finish_reason", "generated_tokens", "seed", "prefill", "tokens"],
+            "required": DETAILS_REQUIRED,
             "properties": {
-                "finish_reason": {"enum": ["length", "eos_token", "stop_sequence"]},
-                "generated_tokens": {"type": "integer"},
-                "seed": {"type": ["integer", "null"]},
-                "prefill": {
-                    "type": "array",
-                    "items": PREFILL_TOKEN,
-                    "description": "the prompt's tokens, with `decoder_input_details`",
-                },
-                "tokens": {"type": "array", "items": TOKEN},
-                "top_tokens": {
-                    "type": "array",
-                    "items": {"type": "array", "items": TOKEN},
-                    "description": "with `top_n_tokens`: each new token's likeliest",
-                },
+                **DETAILS_PROPERTIES,
                 "best_of_sequences": {
                     "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["generated_text", "finish_reason", "generated_tokens"],
-                        "properties": {"generated_text": {"type": "string"}},
-                    },
+                    "items": BEST_OF_SEQUENCE,
                     "description": "with `best_of` above 1: the answers not chosen, "
                     "each with its own details",
                 },
