@@ -539,3 +539,25 @@ async def test_post_roots_best_of_answers_each_prompt_with_the_best_of_its_own_a
     failed = await app.handle(post("/", {"inputs": ["a", "fails"], "parameters": asked}))
     assert failed.status == 422, failed.body
     assert json.loads(failed.body)["error"] == "the input at index 1: no answer to that"
+
+
+async def test_best_of_past_what_admission_takes_of_one_request_is_413_at_once():
+    """Each answer is an item of the request: more than the queue ever takes of one was a
+    503 (the first copies queued, the rest refused as the queue filled), asking for
+    retries that would all fail; /info's max_best_of says the bound."""
+    queue = GeneratingQueue()
+    queue.most_admitted = 3
+    gen = ServedModel("gen", ModelService(queue, ReadyWorkers("text-generation")))
+    app = App(ServedModels([gen]))
+    asked = {"best_of": 4, "do_sample": True}
+    for path, inputs in (("/generate", "a"), ("/", ["a"])):
+        response = await app.handle(post(path, {"inputs": inputs, "parameters": asked}))
+        assert response.status == 413, response.body
+        assert "takes at most 3 of one request" in json.loads(response.body)["error"]
+    assert queue.params == []  # (nothing queued)
+    response = await app.handle(
+        post("/generate", {"inputs": "a", "parameters": {**asked, "best_of": 3}})
+    )
+    assert response.status == 200, response.body
+    info = await app.handle(HttpRequest("GET", "/info", "", [], b"", request_id="t"))
+    assert json.loads(info.body)["max_best_of"] == 3

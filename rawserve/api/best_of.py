@@ -17,7 +17,7 @@ from typing import Any
 from rawserve.api.choices import run_choices
 from rawserve.api.outcomes import unwrap_all
 from rawserve.api.served import ServedModel
-from rawserve.http.errors import BadRequest
+from rawserve.http.errors import BadRequest, PayloadTooLarge
 from rawserve.serving.face import ItemResult
 from rawserve.shared.messages import ItemFailure
 from rawserve.shared.token_columns import logprob_sum
@@ -27,10 +27,19 @@ from rawserve.tasks.text_generation import tgi_output
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "typical_p")
 
 
-def asked_copies(params: Mapping[str, Any], prompts: int, most: int, streamed: bool) -> int:
+def asked_copies(
+    params: Mapping[str, Any],
+    prompts: int,
+    most: int,
+    streamed: bool,
+    admitted: int | None = None,
+) -> int:
     """How many answers each of `prompts` prompts is generated (1 where `best_of` is not
     asked); 400 (TGI's clients read 422 "validation") where TGI refuses the request, or
-    where the answers together are more than `most` (--max-client-batch-size) items."""
+    where the answers together are more than `most` (--max-client-batch-size) items;
+    413 where they are more than admission ever takes of one request (`admitted`: the
+    queue, and the rows of workers that take one item at a time), as for OpenAI's `n`:
+    a 503 would invite retries that all fail."""
     copies = int(params.get("best_of") or 1)
     if copies == 1:
         return 1
@@ -45,6 +54,12 @@ def asked_copies(params: Mapping[str, Any], prompts: int, most: int, streamed: b
             f"best_of {copies} for {prompts} prompt{'s' if prompts > 1 else ''} makes "
             f"{copies * prompts} generations, and one request may ask at most {most} "
             "(--max-client-batch-size)"
+        )
+    if admitted is not None and copies * prompts > admitted:
+        raise PayloadTooLarge(
+            f"best_of {copies} for {prompts} prompt{'s' if prompts > 1 else ''} makes "
+            f"{copies * prompts} generations, and this server takes at most {admitted} of "
+            "one request (--max-queue, and the rows of workers that take one item at a time)"
         )
     return copies
 

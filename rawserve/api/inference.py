@@ -379,7 +379,9 @@ class InferenceRoutes:
             await check_hypotheses(self.context.tokenizers, model, parsed.params)
         copies = 1  # TGI's best_of: so many answers of each prompt, the likeliest given
         if task == "text-generation":
-            copies = asked_copies(parsed.params, len(parsed.inputs), max_items, parsed.stream)
+            admitted = model.serving.most_admitted
+            prompts = len(parsed.inputs)
+            copies = asked_copies(parsed.params, prompts, max_items, parsed.stream, admitted)
         deadline = self.context.deadline(request)
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive

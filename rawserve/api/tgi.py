@@ -120,15 +120,19 @@ GENERATE_RESPONSE: Schema = {
 def tgi_info(model: ServedModel, max_client_batch_size: int | None = None) -> dict[str, Any]:
     """TGI's /info fields, for a model that generates (TGI's `Info` requires them): its
     limits as rawserve checks them, `max_input_length` as TGI 1.x meant it (a prompt's
-    most tokens) in place of TEI's; `max_best_of` within `max_client_batch_size` (each
-    answer an item of the request)."""
+    most tokens) in place of TEI's; `max_best_of` within `max_client_batch_size` and what
+    admission takes of one request (each answer an item of the request)."""
     if model.task != TASK:
         return {}
     positions = model.positions
     max_input_tokens = max(positions - 1, 0)  # a prompt leaves room for one token
     return {
         "model_pipeline_tag": TASK,
-        "max_best_of": min(MAX_BEST_OF, max_client_batch_size or MAX_BEST_OF),
+        "max_best_of": min(
+            MAX_BEST_OF,
+            max_client_batch_size or MAX_BEST_OF,
+            model.serving.most_admitted or MAX_BEST_OF,
+        ),
         "max_stop_sequences": MAX_STOP_SEQUENCES,
         "max_input_tokens": max_input_tokens,
         # TGI 1.x's name of the same limit (TEI's field of this name is an encoder's length)
@@ -183,7 +187,8 @@ class TgiRoutes:
     async def generate(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)
         most = self.context.settings.max_client_batch_size
-        copies = asked_copies(parsed.params, 1, most, streamed=False)  # (TGI's best_of)
+        admitted = model.serving.most_admitted
+        copies = asked_copies(parsed.params, 1, most, False, admitted)  # (TGI's best_of)
         largest = self.context.settings.max_answer_bytes
         tokenizers = self.context.tokenizers
         answers = repeated(parsed.inputs, copies)  # (their details, where asked, listed)
