@@ -49,17 +49,16 @@ def asked_copies(
         raise BadRequest("best_of above 1 needs sampling (do_sample, or a sampling setting)")
     if params.get("seed") is not None:
         raise BadRequest("seed must not be set when best_of is above 1")
-    if copies * prompts > most:
+    made = copies * prompts
+    makes = f"best_of {copies} for {prompts} prompt{'s' if prompts > 1 else ''} makes {made}"
+    if made > most:
         raise BadRequest(
-            f"best_of {copies} for {prompts} prompt{'s' if prompts > 1 else ''} makes "
-            f"{copies * prompts} generations, and one request may ask at most {most} "
-            "(--max-client-batch-size)"
+            f"{makes} generations, and one request may ask at most {most} (--max-client-batch-size)"
         )
-    if admitted is not None and copies * prompts > admitted:
+    if admitted is not None and made > admitted:
         raise PayloadTooLarge(
-            f"best_of {copies} for {prompts} prompt{'s' if prompts > 1 else ''} makes "
-            f"{copies * prompts} generations, and this server takes at most {admitted} of "
-            "one request (--max-queue, and the rows of workers that take one item at a time)"
+            f"{makes} generations, and this server takes at most {admitted} of one request "
+            "(--max-queue, and the rows of workers that take one item at a time)"
         )
     return copies
 
