@@ -95,7 +95,7 @@ def repeated(inputs: Sequence[Any], copies: int) -> list[Any]:
 
 
 def best_of_each(results: Sequence[ItemResult], copies: int, details: bool) -> list[Any]:
-    """`POST /`'s outputs, one for each prompt, from its `copies` results in a row (each
+    """The outputs, one for each prompt, from its `copies` results in a row (each
     the pipeline's `[{"generated_text", "details"}]`): its best answer (`best_output`),
     or the HTTP error of a failed one, named as the prompt's (of several, its index)."""
     groups = [results[start : start + copies] for start in range(0, len(results), copies)]

@@ -369,19 +369,18 @@ class InferenceRoutes:
                 check_generation_length(parsed.params, model.limits.max_new_tokens)
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
+        copies = 1  # TGI's best_of: so many answers of each prompt, the likeliest given
         if task == "text-generation":
             await check_tgi_lengths(self.context.tokenizers, model, parsed.inputs, parsed.params)
+            admitted = model.serving.most_admitted
+            prompts = len(parsed.inputs)
+            copies = asked_copies(parsed.params, prompts, max_items, parsed.stream, admitted)
         elif task in UNCUT_TASKS:
             await check_input_lengths(self.context.tokenizers, model, parsed.inputs)
         elif task in WINDOWED_TASKS:
             await check_windows(self.context.tokenizers, model, parsed.inputs, parsed.params)
         elif task == "zero-shot-classification":
             await check_hypotheses(self.context.tokenizers, model, parsed.params)
-        copies = 1  # TGI's best_of: so many answers of each prompt, the likeliest given
-        if task == "text-generation":
-            admitted = model.serving.most_admitted
-            prompts = len(parsed.inputs)
-            copies = asked_copies(parsed.params, prompts, max_items, parsed.stream, admitted)
         deadline = self.context.deadline(request)
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive

@@ -22,13 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.best_of import asked_copies, best_output, repeated, run_copies
+from rawserve.api.best_of import asked_copies, best_of_each, repeated, run_copies
 from rawserve.api.bodies import built_answer, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import MODEL
 from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
 from rawserve.api.openai import GENERATION
-from rawserve.api.outcomes import unwrap
 from rawserve.api.prompts import check_details_size, check_tgi_lengths
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Operation, Route, Schema
 from rawserve.api.served import ServedModel
@@ -195,12 +194,9 @@ class TgiRoutes:
         await check_details_size(tokenizers, model, answers, parsed.params, largest)
         deadline = self.context.deadline(request)
         results = await run_copies(model, parsed.inputs, parsed.params, copies, deadline)
-        outputs = []
-        for result in results:
-            [output] = unwrap(result)  # the pipeline's [{"generated_text", "details"}]
-            outputs.append(output)
-        output = best_output(outputs, bool(parsed.params.get("details")))
-        entries = sum(listed_tokens(each) for each in outputs)
+        # the pipeline's [{"generated_text", "details"}], of the best of the copies
+        [[output]] = best_of_each(results, copies, bool(parsed.params.get("details")))
+        entries = sum(listed_tokens(each) for result in results for each in result.output)
         # a long prompt's tokens listed make an answer of megabytes: built on a thread
         return await built_answer(lambda: tgi_output(output), results, entries)
 

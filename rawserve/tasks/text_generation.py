@@ -326,6 +326,7 @@ def frequency_penalty(value: Any) -> float | None:
 
 
 MAX_BEST_OF = 16  # (TGI's own default is 2; each is a generation of its own)
+BEST_OF_RANGE = int_range(1, MAX_BEST_OF)
 
 
 @checker({"type": "integer", "minimum": 1, "maximum": MAX_BEST_OF})
@@ -333,9 +334,6 @@ def best_of(value: Any) -> int | None:
     """1 (one answer, which TGI's client may send) left out, as with none."""
     copies = BEST_OF_RANGE(value)
     return copies if copies > 1 else IGNORED
-
-
-BEST_OF_RANGE = int_range(1, MAX_BEST_OF)
 
 
 TASK = Task(

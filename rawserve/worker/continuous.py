@@ -789,10 +789,9 @@ class ContinuousBatcher:
                 if generation.made is None:
                     generation.made = TokenRun((), scores.device)
                 made = generation.made.after(generation.tokens if adjustments.penalizes else ())
-                whole = generation.sequence(scores.device) if adjustments.reads_sequence else None
-                adjustments.apply(
-                    scores[index : index + 1], made[None], None if whole is None else whole[None]
-                )
+                reads = adjustments.reads_sequence
+                sequence = generation.sequence(scores.device)[None] if reads else None
+                adjustments.apply(scores[index : index + 1], made[None], sequence)
             # (a grammar says itself when the end may come; with ignore_eos the end token
             # ends nothing, so there is no end to hold back, as `generate` has none)
             holds_end = generation.grammar is None and not generation.ignore_eos
