@@ -42,7 +42,9 @@ def main(base_url: str) -> None:
         ),
         "generate_stream": lambda: list(client.generate_stream(PROMPT, max_new_tokens=5)),
         "chat": lambda: client.chat(messages=messages, max_tokens=3, temperature=0),
-        "watermark": lambda: client.generate(PROMPT, max_new_tokens=5, watermark=True),
+        "watermark": lambda: client.generate(
+            PROMPT, max_new_tokens=12, watermark=True, do_sample=True, seed=3
+        ),
         "too_long": lambda: client.generate(PROMPT, max_new_tokens=100_000),
         "chat_too_long": lambda: client.chat(messages=messages, max_tokens=100_000),
         # (its stream's types do not read OpenAI's chunks: the README says so)

@@ -154,7 +154,7 @@ def test_decoder_input_details_lists_the_prompts_tokens_as_tgi_does(servers):
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("watermark", True),
+        ("adapter_id", "lora"),
     ],
 )
 @pytest.mark.parametrize("path", ["/generate", "/"])
@@ -278,6 +278,26 @@ def test_inference_clients_frequency_penalty_is_served_as_tgi_serves_it(servers,
     assert status == 200 and answer["generated_text"] == penalized, answer
     plain = inference_client.text_generation(PROMPT, **{**asked, "frequency_penalty": 0})
     assert plain != penalized  # (the tiny model repeats itself: the penalty changes that)
+
+
+def test_inference_clients_watermark_is_found_in_its_answer(inference_client, tiny_model):
+    """InferenceClient's `watermark` (TGI's): the answer's tokens, read after the prompt's
+    last, are green far past chance (`z_score`); the same request without it is not."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rawserve.worker.watermark import MARKED_Z, z_score
+
+    model = tiny_model("chat")
+    vocabulary = AutoConfig.from_pretrained(model).vocab_size
+    last = AutoTokenizer.from_pretrained(model)(PROMPT)["input_ids"][-1]
+    asked = {"max_new_tokens": 64, "do_sample": True, "seed": 5, "details": True}
+    found = {}
+    for watermark in (True, False):
+        answer = inference_client.text_generation(PROMPT, watermark=watermark, **asked)
+        ids = [token.id for token in answer.details.tokens]
+        assert len(ids) >= 32, answer
+        found[watermark] = z_score([last, *ids], vocabulary)
+    assert found[True] > MARKED_Z > found[False], found
 
 
 def test_inference_clients_truncate_reads_a_long_prompts_last_tokens(
@@ -412,6 +432,15 @@ def test_tgi_client_generates(servers, tgi_client_answers):
     )
     assert status == 200 and penalized["generated_text"] == direct["generated_text"]
     assert penalized["generated_text"] != answer["generated_text"]
+    marked = tgi_client_answers["watermark"]
+    assert "raised" not in marked, marked
+    parameters = {**CLIENT_DEFAULTS, "max_new_tokens": 12, "do_sample": True, "seed": 3}
+    for watermark in (True, False):
+        document = {"inputs": PROMPT, "parameters": {**parameters, "watermark": watermark}}
+        status, direct = servers["chat"].post_json(document, "/generate")
+        assert status == 200, direct
+        same = marked["generated_text"] == direct["generated_text"]
+        assert same == watermark  # (the client's watermark was sent, and applied)
 
 
 def test_tgi_client_streams(tgi_client_answers):
@@ -439,9 +468,6 @@ def test_tgi_client_fails_to_stream_a_chat_as_the_readme_says(tgi_client_answers
 
 
 def test_tgi_client_shows_rawserves_refusals(tgi_client_answers):
-    refused = tgi_client_answers["watermark"]
-    assert "watermark" in refused["message"] and "not supported" in refused["message"], refused
-    assert refused["raised"] == "ValidationError"
     too_long = tgi_client_answers["too_long"]
     assert too_long["raised"] == "ValidationError" and "max_new_tokens" in too_long["message"]
     # its chat reads TGI's type beside OpenAI's error object (its message: that object)

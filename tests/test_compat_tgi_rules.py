@@ -86,15 +86,23 @@ def test_tgis_frequency_penalty_goes_to_the_worker_as_tgis_not_openais(value):
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("watermark", True),
         ("adapter_id", "lora"),
-        ("watermark", 0),  # false is not 0
+        ("adapter_id", 0),
     ],
 )
 def test_a_value_rawserve_cannot_honour_is_refused_naming_it(name, value):
     assert TASK is not None
     with pytest.raises(UnservedParameter, match=f"'{name}' is not supported"):
         check_params(TASK, {name: value})
+
+
+def test_tgis_watermark_goes_to_the_worker_when_true_and_is_left_out_when_false():
+    assert TASK is not None
+    assert check_params(TASK, {"watermark": True}) == {"watermark": True}
+    assert check_params(TASK, {"watermark": False}) == {}
+    for wrong in (0, 1, "true", "yes"):
+        with pytest.raises(InvalidRequest, match="'watermark' must be true or false"):
+            check_params(TASK, {"watermark": wrong})
 
 
 @pytest.mark.parametrize("value", [1, 1000, 5000, 2**31 - 1])
@@ -339,10 +347,10 @@ async def test_info_holds_what_tgis_info_requires_for_a_model_that_generates():
 
 async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():
     app = App(ServedModels([generation_model()]))
-    body = {"inputs": "once", "parameters": {"watermark": True}}
+    body = {"inputs": "once", "parameters": {"adapter_id": "lora"}}
     response = await app.handle(post("/generate", body))
     assert response.status == 422
-    assert "'watermark' is not supported" in json.loads(response.body)["error"]
+    assert "'adapter_id' is not supported" in json.loads(response.body)["error"]
 
 
 @pytest.mark.parametrize("stream", ["zzz", "yes", {}, float("nan"), 2**70], ids=repr)

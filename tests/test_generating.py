@@ -1060,8 +1060,9 @@ class TgisFrequencyPenalty:
         return scores - counts / input_ids.shape[1] * self.penalty
 
 
-def generated_with_tgis_penalty(runner, text: str, penalty: float, new: int) -> list[int]:
-    """The tokens `generate` makes for `text` alone, greedy, under TGI's own penalty."""
+def generated_alone(runner, text: str, new: int, processors: list[Any]) -> list[int]:
+    """The tokens `generate` makes for `text` alone, greedy (a beam search where the
+    model's config asks for one), with `processors` after its own."""
     import torch
 
     encoded = runner.tokenizer([text], return_tensors="pt")
@@ -1070,10 +1071,15 @@ def generated_with_tgis_penalty(runner, text: str, penalty: float, new: int) -> 
             **encoded,
             max_new_tokens=new,
             do_sample=False,
-            logits_processor=[TgisFrequencyPenalty(penalty)],
+            logits_processor=processors,
             pad_token_id=runner.tokenizer.pad_token_id,
         )
     return made[0, encoded["input_ids"].shape[1] :].tolist()
+
+
+def generated_with_tgis_penalty(runner, text: str, penalty: float, new: int) -> list[int]:
+    """The tokens `generate` makes for `text` alone, greedy, under TGI's own penalty."""
+    return generated_alone(runner, text, new, [TgisFrequencyPenalty(penalty)])
 
 
 def test_tgis_frequency_penalty_answers_as_tgi_on_both_paths(runner):
@@ -1093,6 +1099,93 @@ def test_tgis_frequency_penalty_answers_as_tgi_on_both_paths(runner):
         # (not what it makes unpenalized: the penalty was applied)
         plain = runner.run([text], {**GREEDY, "max_new_tokens": 12})[0]
         assert ids(plain) != ids(answer)
+
+
+class TgisWatermark:
+    """TGI's watermark processor as TGI writes it, a row at a time as TGI's batches run it,
+    for `generate` on one unpadded prompt: a generator seeded with its key times the row's
+    last token, the vocabulary's shuffled first half raised by 2 through a mask."""
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        for row in range(len(scores)):
+            generator = torch.Generator().manual_seed(15485863 * int(input_ids[row, -1]))
+            vocabulary = scores.shape[-1]
+            green = torch.randperm(vocabulary, generator=generator)[: int(vocabulary * 0.5)]
+            mask = torch.zeros_like(scores[row : row + 1])
+            mask[-1, green] = 1
+            row_scores = scores[row : row + 1]
+            row_scores[mask.bool()] = row_scores[mask.bool()] + 2.0
+        return scores
+
+
+def generated_with_tgis_watermark(runner, text: str, new: int, penalty: float) -> list[int]:
+    """The tokens `generate` makes for `text` alone, greedy, with TGI's watermark and then
+    the repetition penalty, in TGI's order (generate's own penalty would come first)."""
+    import transformers
+
+    penalizing = transformers.RepetitionPenaltyLogitsProcessor(penalty)
+    return generated_alone(runner, text, new, [TgisWatermark(), penalizing])
+
+
+def test_the_watermark_raises_the_green_half_after_each_rows_last_token():
+    import torch
+
+    from rawserve.worker.watermark import BIAS, green_tokens, mark
+
+    scores = torch.randn(2, 1000, generator=torch.Generator().manual_seed(0))
+    before = scores.clone()
+    mark(scores, [7, 123])
+    for row, previous in enumerate([7, 123]):
+        raised = (scores[row] - before[row]).nonzero().flatten()
+        green = green_tokens(previous, 1000)
+        assert len(green) == 500 and sorted(raised.tolist()) == sorted(green.tolist())
+        assert torch.allclose(scores[row, green], before[row, green] + BIAS)
+    assert not torch.equal(green_tokens(7, 1000), green_tokens(123, 1000))
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_tgis_watermark_answers_as_tgi_on_both_paths(runner, penalty):
+    """Each prompt's tokens are those TGI's processor makes, before the repetition
+    penalty as TGI applies them, on the loop and on the static path, alone or padded
+    beside a longer prompt."""
+    params = {**GREEDY, "max_new_tokens": 12, "watermark": True, "repetition_penalty": penalty}
+    texts = ["the movie was", "good film, bad film " * 5, "word word word word"]
+
+    def ids(answer: Any) -> list[int]:
+        return [token["id"] for token in answer[0]["details"]["tokens"]]
+
+    for text, got, _ in as_the_static_path(runner, params, texts):
+        assert ids(got) == generated_with_tgis_watermark(runner, text, 12, penalty)
+    padded = runner.run([*texts, "word " * 110], dict(params))
+    unmarked = runner.run(texts, {**params, "watermark": False})
+    for text, answer in zip(texts, padded, strict=False):
+        assert ids(answer) == generated_with_tgis_watermark(runner, text, 12, penalty)
+    # (the watermark was applied: the tiny model's likeliest token is often more than the
+    # bias above the next, which then changes nothing)
+    assert [ids(answer) for answer in padded[:3]] != [ids(answer) for answer in unmarked]
+
+
+def test_a_watermarked_answer_is_told_from_one_without_it(runner):
+    """The test of `z_score` finds the watermark in a sampled answer (its prompt's last
+    token read before its first) and not in the same request's answer without it."""
+    from rawserve.worker.watermark import MARKED_Z, z_score
+
+    asked = {"max_new_tokens": 48, "do_sample": True, "seed": 4, "details": True}
+    asked["min_new_tokens"] = 48
+    last = runner.tokenizer("the movie was")["input_ids"][-1]
+    vocabulary = runner.model.config.vocab_size
+    found = {}
+    for marked in (True, False):
+        batches = [Batch(0, ("the movie was",), {**asked, "watermark": marked})]
+        [answer] = results(serve(runner, {0: batches}))[0].outputs
+        tokens = [token["id"] for token in answer[0]["details"]["tokens"]]
+        assert len(tokens) == 48
+        found[marked] = z_score([last, *tokens], vocabulary)
+    assert found[True] > MARKED_Z > found[False], found
+    with pytest.raises(ValueError, match="at least two tokens"):
+        z_score([last], vocabulary)
 
 
 def test_tgis_truncate_reads_only_a_prompts_last_tokens_on_both_paths(runner):
@@ -4025,25 +4118,29 @@ def test_a_beam_search_takes_tgis_frequency_penalty_as_generate_with_tgis_proces
     """Each prompt's beams read its own tokens: alone, or padded beside a longer prompt
     (each prompt's beams one after another in `generate`'s rows), `generate`'s answer
     with TGI's processor."""
-    import torch
 
     params = {**GREEDY, "max_new_tokens": 8, "sequence_frequency_penalty": 2.0}
     texts = ["the movie was", "good film, bad film " * 5]
     together = beams.run(texts, dict(params))
     for text, answer in zip(texts, together, strict=True):
-        encoded = beams.tokenizer([text], return_tensors="pt")
-        with torch.inference_mode():
-            made = beams.model.generate(
-                **encoded,
-                max_new_tokens=8,
-                do_sample=False,
-                logits_processor=[TgisFrequencyPenalty(2.0)],
-                pad_token_id=beams.tokenizer.pad_token_id,
-            )
-        expected = made[0, encoded["input_ids"].shape[1] :].tolist()
+        expected = generated_alone(beams, text, 8, [TgisFrequencyPenalty(2.0)])
         assert [token["id"] for token in answer[0]["details"]["tokens"]] == expected
         plain = beams.run([text], {**GREEDY, "max_new_tokens": 8})[0]
         assert plain[0]["generated_text"] != answer[0]["generated_text"]
+
+
+def test_a_beam_search_takes_tgis_watermark_on_each_beam(beams):
+    """Each beam's green tokens follow its own last token: `generate`'s beam search with
+    TGI's processor, a prompt alone or beside a longer one."""
+
+    params = {**GREEDY, "max_new_tokens": 8, "watermark": True}
+    texts = ["the movie was", "good film, bad film " * 5]
+    together = beams.run(texts, dict(params))
+    plain = beams.run(texts, {**params, "watermark": False})
+    for text, answer in zip(texts, together, strict=True):
+        expected = generated_alone(beams, text, 8, [TgisWatermark()])
+        assert [token["id"] for token in answer[0]["details"]["tokens"]] == expected
+    assert [a[0]["generated_text"] for a in plain] != [a[0]["generated_text"] for a in together]
 
 
 def test_a_beam_search_ends_no_answer_past_a_stop_sequence(beams):

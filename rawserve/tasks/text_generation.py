@@ -336,6 +336,13 @@ def best_of(value: Any) -> int | None:
     return copies if copies > 1 else IGNORED
 
 
+@checker({"type": "boolean"})
+def watermark(value: Any) -> bool | None:
+    """TGI's (rawserve.worker.watermark); false (which TGI's client sends) left out, as
+    with none."""
+    return True if boolean(value) else IGNORED
+
+
 TASK = Task(
     "text-generation",
     prompt,
@@ -363,10 +370,11 @@ TASK = Task(
         "truncate": int_range(1, MAX_TRUNCATE),
         # TGI's: so many sampled answers, the likeliest given (rawserve.api.best_of)
         "best_of": best_of,
-        # TGI's parameters that rawserve does not serve: its client sends each of them,
-        # null or false (or their neutral value) when unset; anything else is a 422
-        "watermark": ignored(False),
+        # TGI's: green tokens raised at each step, so the text can be told as generated
+        "watermark": watermark,
         "grammar": grammar,
+        # TGI's LoRA adapter, which rawserve does not serve: TGI's client sends it null
+        # when unset; anything else is a 422
         "adapter_id": ignored(),
     },
     worker_names={"frequency_penalty": SEQUENCE_FREQUENCY_PENALTY},

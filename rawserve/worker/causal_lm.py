@@ -56,6 +56,7 @@ from rawserve.worker.generate_hooks import (
     GrammarFollower,
     ScoreRecorder,
     TokenWatcher,
+    Watermarker,
     refuse_broken_scores,
     tgi_token,
     top_tokens,
@@ -594,6 +595,7 @@ class CausalLMRunner(Runner):
             seed=params.get("seed"),
             stop=tuple(params.get("stop", ())),
             repetition_penalty=setting("repetition_penalty"),
+            watermark=bool(params.get("watermark")),
             min_new_tokens=int(setting("min_new_tokens") or 0),
             stops_after=stops_after(params),
             ignore_eos=ignores_eos(params),
@@ -913,7 +915,7 @@ class CausalLMRunner(Runner):
             keep_tokens=keep_tokens,
             top_n=int(params.get("top_n_tokens") or 0),
         )
-        processors: list[Any] = []
+        processors = self._marking(params, kwargs)
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)
         if adjustments is not None:  # before the recorder: the log probabilities follow them
             width = encoded["input_ids"].shape[1]
@@ -930,6 +932,19 @@ class CausalLMRunner(Runner):
         self._call_generate(encoded, kwargs, watcher, processors, watcher)
         watcher.let_out_the_rest()
         return watcher
+
+    def _marking(self, params: dict[str, Any], kwargs: dict[str, Any]) -> list[Any]:
+        """The first of `generate`'s own logits processors for `params`: TGI's watermark,
+        then the repetition penalty, in TGI's order (generate's own penalty, which runs
+        before any processor it is handed, is then turned off in `kwargs`, in place)."""
+        if not params.get("watermark"):
+            return []
+        penalty = kwargs.get("repetition_penalty", self.model.generation_config.repetition_penalty)
+        kwargs["repetition_penalty"] = 1.0
+        processors: list[Any] = [Watermarker()]
+        if penalty not in (None, 1.0):
+            processors.append(transformers.RepetitionPenaltyLogitsProcessor(penalty))
+        return processors
 
     def _watcher(
         self,
@@ -1007,9 +1022,10 @@ class CausalLMRunner(Runner):
             cancelled=cancelled,
             keep_tokens=listed,
         )
+        processors = self._marking(params, kwargs)
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)
-        mask = encoded.get("attention_mask")
-        processors = [] if adjustments is None else [Adjuster(adjustments, width, mask)]
+        if adjustments is not None:
+            processors.append(Adjuster(adjustments, width, encoded.get("attention_mask")))
         stops = BeamStops(
             self.tokenizer,
             prompt_width=width,

@@ -63,6 +63,7 @@ from rawserve.worker.scores import (
     unusable,
 )
 from rawserve.worker.text_pieces import TextPieces, counted_text, prompt_context
+from rawserve.worker.watermark import mark
 
 # how long a step with nothing to run but grammars compiling waits for one, before the
 # loop looks at its messages again (a new request, a client gone)
@@ -125,6 +126,7 @@ class Generation:
     seed: int | None = None  # a sampled one's, drawn when not given
     stop: Sequence[str] = ()
     repetition_penalty: float | None = None  # None or 1.0: none
+    watermark: bool = False  # TGI's (rawserve.worker.watermark), before the penalty as TGI's
     min_new_tokens: int = 0  # no end of sequence before this many new tokens
     # asked min_tokens (OpenAI's, as vLLM reads it): a stop sequence counts only where it
     # ends in the text of this new token or a later one
@@ -184,6 +186,7 @@ class Generation:
         return not (
             self.do_sample
             or self.repetition_penalty not in (None, 1.0)
+            or self.watermark
             or self.adjustments is not None
             or len(self.tokens) < self.min_new_tokens
             or self.grammar is not None
@@ -782,6 +785,9 @@ class ContinuousBatcher:
         for index, generation in enumerate(rows):
             if generation.done:
                 continue
+            if generation.watermark:
+                previous = generation.tokens[-1] if generation.tokens else generation.prompt_ids[-1]
+                mark(scores[index : index + 1], [previous])
             penalty = generation.repetition_penalty
             if penalty is not None and penalty != 1.0:
                 penalize_repetition(scores[index], penalty, generation.sequence(scores.device))

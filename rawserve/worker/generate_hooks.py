@@ -1,6 +1,7 @@
 """What a `generate` call is given to do rawserve's part at each decoding step (the
 static path of causal_lm): logits processors that record the step's log probabilities
-(`ScoreRecorder`), apply OpenAI's logit bias and penalties (`Adjuster`) and hold each row
+(`ScoreRecorder`), mark the text with TGI's watermark (`Watermarker`), apply OpenAI's
+logit bias and penalties (`Adjuster`) and hold each row
 to its grammar (`GrammarFollower`), and the stopping criterion that watches each new
 token (`TokenWatcher`: its text, stop sequences, streaming, cancellation), with the token
 in TGI's shape (`tgi_token`), which the continuous loop's tokens take too.
@@ -24,6 +25,7 @@ from rawserve.worker.grammars import Held, constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
 from rawserve.worker.text_pieces import HeldTokens, TextPieces, alternative_text, counted_text
+from rawserve.worker.watermark import mark
 
 log = logging.getLogger("rawserve.generation")
 
@@ -36,6 +38,16 @@ class ScoreRecorder(transformers.LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.logprobs = scores.float().log_softmax(-1)
+        return scores
+
+
+class Watermarker(transformers.LogitsProcessor):
+    """TGI's watermark (rawserve.worker.watermark) on `generate`'s scores: each row's
+    green tokens after its last token (left padding leaves every row's last place its
+    own; a beam search's rows are its beams)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        mark(scores, input_ids[:, -1].tolist())
         return scores
 
 
