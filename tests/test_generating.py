@@ -1188,6 +1188,21 @@ def test_a_watermarked_answer_is_told_from_one_without_it(runner):
         z_score([last], vocabulary)
 
 
+def test_a_text_that_repeats_itself_is_not_read_as_watermarked():
+    """Each pair of tokens is read once: two tokens each green after the other, repeated
+    30 times (as greedy decoding loops), are one draw of chance each, not 59."""
+    from rawserve.worker.watermark import MARKED_Z, green_tokens, z_score
+
+    def green(previous: int, token: int) -> bool:
+        return bool((green_tokens(previous, 1000) == token).any())
+
+    first, second = next(
+        (a, b) for a in range(50) for b in range(50) if a != b and green(a, b) and green(b, a)
+    )
+    assert z_score([first, second] * 30, 1000) < MARKED_Z
+    assert z_score([first, second], 1000) == pytest.approx(1.0)  # (one pair, green)
+
+
 def test_tgis_truncate_reads_only_a_prompts_last_tokens_on_both_paths(runner):
     """TGI's `truncate`: a prompt longer than the model reads (441 tokens of 256
     positions) is cut from the left to its last `truncate` tokens, and answered as

@@ -50,13 +50,16 @@ def z_score(ids: Sequence[int], vocabulary: int, device: torch.device | str = "c
     """How many standard deviations more of `ids` are green than chance would make green:
     about 0 for text written without the watermark, past `MARKED_Z` for text with it.
     Each id from the second on is read after the one before it (give the prompt's last
-    token first, and the answer's first token is read too); ValueError for fewer than 2."""
+    token first, and the answer's first token is read too), each pair of them once: a
+    text that repeats itself, as greedy decoding often does, repeats one draw of chance,
+    and counted again each time it read 6.9 unmarked. ValueError for fewer than 2."""
     if len(ids) < 2:
         raise ValueError("a watermark is read from at least two tokens")
+    pairs = dict.fromkeys(zip(ids, ids[1:], strict=False))
     green = sum(
         bool((green_tokens(previous, vocabulary, device) == token).any())
-        for previous, token in zip(ids, ids[1:], strict=False)
+        for previous, token in pairs
     )
-    read = len(ids) - 1
+    read = len(pairs)
     expected = GREEN_SHARE * read
     return (green - expected) / math.sqrt(read * GREEN_SHARE * (1 - GREEN_SHARE))
