@@ -474,22 +474,23 @@ async def test_post_root_keeps_rawserves_types_for_a_model_that_does_not_generat
     assert json.loads(response.body)["error_type"] == "validation"
 
 
+def sampled_answer(text: str, logprobs: list[float]) -> dict[str, Any]:
+    """A worker's answer whose new tokens have these log probabilities (in columns)."""
+    from rawserve.shared.token_columns import TokenColumns, columns
+
+    tokens = columns([{"id": 5, "text": "x", "logprob": p, "special": False} for p in logprobs])
+    assert isinstance(tokens, TokenColumns)
+    details = {"finish_reason": "length", "generated_tokens": len(logprobs), "seed": 7}
+    return {"generated_text": text, "details": {**details, "prompt_tokens": 3, "tokens": tokens}}
+
+
 def test_best_of_gives_the_answer_whose_tokens_are_likeliest_the_first_of_equals():
     """TGI's choice: the answer whose new tokens' log probabilities add up highest (read
     from the worker's columns), the first of equals; the others follow in order, in
     TGI's shape, where details are asked, and no details otherwise."""
     from rawserve.api.best_of import best_output
-    from rawserve.shared.token_columns import TokenColumns, columns
 
-    def answer(text: str, logprobs: list[float]) -> dict[str, Any]:
-        tokens = columns([{"id": 5, "text": "x", "logprob": p, "special": False} for p in logprobs])
-        assert isinstance(tokens, TokenColumns)
-        details = {"finish_reason": "length", "generated_tokens": len(logprobs), "seed": 7}
-        return {
-            "generated_text": text,
-            "details": {**details, "prompt_tokens": 3, "tokens": tokens},
-        }
-
+    answer = sampled_answer
     outputs = [answer("a", [-1.0, -2.0]), answer("b", [-0.5, -1.0]), answer("c", [-1.5])]
     chosen = best_output(outputs, details=True)
     assert chosen["generated_text"] == "b"
@@ -498,6 +499,25 @@ def test_best_of_gives_the_answer_whose_tokens_are_likeliest_the_first_of_equals
     assert all("prompt_tokens" not in other for other in others)  # (TGI's fields only)
     assert [len(other["tokens"]) for other in others] == [2, 1]
     assert best_output(outputs, details=False) == {"generated_text": "b"}
+
+
+def test_openais_best_of_answers_each_prompts_n_likeliest_per_token():
+    """OpenAI's completions' choice: of each prompt's generations in a row, the `n` with
+    the highest log probability per token (not in all: a longer answer is not less
+    likely for its length), likeliest first, the earlier of equals."""
+    from rawserve.api.best_of import likeliest_choices
+
+    outputs = [
+        sampled_answer("a", [-1.0, -2.0]),  # the first prompt's: -1.5 a token
+        sampled_answer("b", [-0.5, -1.0]),  # -0.75
+        sampled_answer("c", [-1.5]),  # -1.5, as a
+        sampled_answer("d", [-3.0]),  # the second prompt's: -3
+        sampled_answer("e", [-0.1, -0.1, -0.1, -2.0]),  # -0.575 (-2.3 in all)
+        sampled_answer("f", [-1.0, -1.0]),  # -1 (-2 in all)
+    ]
+    chosen = likeliest_choices(outputs, 3, 2)
+    assert [output["generated_text"] for output in chosen] == ["b", "a", "e", "f"]
+    assert [o["generated_text"] for o in likeliest_choices(outputs, 3, 1)] == ["b", "e"]
 
 
 class RankedQueue(GeneratingQueue):

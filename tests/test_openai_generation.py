@@ -15,6 +15,7 @@ import http.client
 import json
 import re
 import socket
+from typing import Any
 
 import pytest
 
@@ -540,6 +541,42 @@ def test_logit_bias_makes_a_token_the_only_choice(servers, reference):
         logit_bias={str(first_id): -100},
     )
     assert without.choices[0].logprobs.tokens[0] != first
+
+
+def test_best_of_answers_the_likeliest_n_of_its_sampled_completions(servers):
+    """Completions' `best_of`: so many sampled completions (seeded as `n` seeds them), of
+    which the `n` with the highest log probability per token answer, likeliest first;
+    the usage counts those answered; no log probabilities listed unless asked."""
+    plain = client(servers["plain"])
+    asked = {"model": PLAIN_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+    asked.update(seed=7, logprobs=0)
+    every = plain.completions.create(n=5, **asked)
+    assert len({choice.text for choice in every.choices}) > 2  # (sampled: they differ)
+
+    def per_token(choice: Any) -> float:
+        logprobs = choice.logprobs.token_logprobs
+        return sum(logprobs) / len(logprobs)
+
+    ranked = sorted(every.choices, key=lambda choice: (-per_token(choice), choice.index))
+    best = plain.completions.create(n=2, best_of=5, **asked)
+    assert [choice.text for choice in best.choices] == [choice.text for choice in ranked[:2]]
+    assert [choice.index for choice in best.choices] == [0, 1]
+    answered = sum(len(choice.logprobs.tokens) for choice in best.choices)
+    assert best.usage.completion_tokens == answered
+    quiet = plain.completions.create(n=2, best_of=5, **{**asked, "logprobs": None})
+    assert [choice.text for choice in quiet.choices] == [choice.text for choice in best.choices]
+    assert all(choice.logprobs is None for choice in quiet.choices)
+    status, one = servers["plain"].post_json({**asked, "best_of": 5}, "/v1/completions")
+    assert status == 200 and [c["text"] for c in one["choices"]] == [ranked[0].text], one
+
+
+def test_best_of_past_the_client_cap_is_413_naming_it(servers):
+    """Each of best_of's completions is a generation queued of its own: the cap on one
+    request's (--max-client-batch-size 4) counts them all."""
+    document = {"prompt": [PROMPT, PROMPT], "best_of": 3, "max_tokens": 2}
+    status, body = servers["chat"].post_json(document, "/v1/completions")
+    assert status == 413 and body["error"]["param"] == "best_of", body
+    assert "6 generations in one request (2 prompts, best_of 3)" in body["error"]["message"]
 
 
 def test_penalties_take_repeated_tokens_down(servers, reference):
@@ -1993,7 +2030,9 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {"prompt": [1, 2.5]},
         {"prompt": ["hello", [1, 2]]},  # one form for all
         {"prompt": [[1], "hello"]},
-        {"prompt": PROMPT, "best_of": 2},
+        {"prompt": PROMPT, "best_of": 2, "stream": True},  # (the likeliest known at the end)
+        {"prompt": PROMPT, "best_of": 0},
+        {"prompt": PROMPT, "best_of": 21},  # (OpenAI's bound)
         {"prompt": PROMPT, "best_of": 1, "n": 3},  # (OpenAI's and vLLM's 400: best_of < n)
         {"prompt": PROMPT, "max_tokens": 0},  # 0 only with echo
         {"prompt": PROMPT, "echo": True, "logprobs": 1, "stream": True},

@@ -1,11 +1,14 @@
-"""TGI's `best_of`: several sampled answers of one prompt, the likeliest of them given.
+"""TGI's and OpenAI's `best_of`: several sampled answers of one prompt, the likeliest of
+them given.
 
 Each answer is a generation of its own, queued as an item (as the OpenAI routes' `n`
 choices are), each sampled with a seed of its own; the answer whose new tokens' log
 probabilities add up highest is given, as TGI picks it, and with `details` the others
 follow under its `best_of_sequences`. TGI's validation is kept: `best_of` above 1 only
 with sampling, without a `seed` (every answer would be the same), and never streamed.
-Server process; never imports torch.
+OpenAI's completions' `best_of` answers the `n` of its generations with the highest log
+probability per token, as OpenAI ranks them (`likeliest_choices`). Server process; never
+imports torch.
 """
 
 from __future__ import annotations
@@ -122,3 +125,22 @@ def best_output(outputs: Sequence[Any], details: bool) -> Any:
     others = [tgi_output(output) for index, output in enumerate(outputs) if index != best]
     sequences = [{"generated_text": o["generated_text"], **o["details"]} for o in others]
     return {**chosen, "details": {**chosen["details"], "best_of_sequences": sequences}}
+
+
+def likeliest_choices(outputs: Sequence[Any], generations: int, n: int) -> list[Any]:
+    """Of each prompt's `generations` outputs in a row (the worker's `{"generated_text",
+    "details"}`, its tokens listed), the `n` whose new tokens have the highest log
+    probability per token, OpenAI's `best_of` order: likeliest first (the earlier of
+    equals), a prompt's after another's."""
+    chosen = []
+    for start in range(0, len(outputs), generations):
+        group = outputs[start : start + generations]
+        ranks = sorted(range(len(group)), key=lambda index: (-per_token(group[index]), index))
+        chosen += [group[index] for index in ranks[:n]]
+    return chosen
+
+
+def per_token(output: Mapping[str, Any]) -> float:
+    """An output's mean log probability over its new tokens (0 where it has none)."""
+    details = output["details"]
+    return logprob_sum(details["tokens"]) / max(int(details["generated_tokens"]), 1)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from rawserve.api import schemas
+from rawserve.api.best_of import likeliest_choices
 from rawserve.api.bodies import (
     answer,
     built_answer,
@@ -535,12 +536,14 @@ class OpenAIRoutes:
         results = await run_choices(model, generation.items, choices, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]
+        if generation.best_of > generation.n:
+            outputs = likeliest_choices(outputs, generation.best_of, generation.n)
         echoed = None
         if generation.echo:
             texts = await echoed_texts(self.context.tokenizers, model, generation.items)
             items = zip(texts, generation.items, strict=True)
             echoes = [Echo(text, isinstance(prompt, list)) for text, prompt in items]
-            echoed = [echo for echo in echoes for _ in choices]
+            echoed = [echo for echo in echoes for _ in range(generation.n)]
         entries = listed_entries(outputs, generation.logprobs)
         build = functools.partial(shape.whole, outputs, generation.stop, echoed, generation.n)
         return await built_answer(build, results, entries)

@@ -3,7 +3,7 @@ into prompts and worker parameters (their answers are `openai_answers`'). Each b
 declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
-What OpenAI's API has and rawserve does not serve (`suffix`, `best_of`, `store`,
+What OpenAI's API has and rawserve does not serve (`suffix`, `store`,
 `service_tier`...; a streamed echo with log probabilities) is taken at its off or default
 value and refused with 400 naming it otherwise, never ignored; OpenAI's bookkeeping
 (`user`, `metadata`) is checked, then dropped. Several choices a
@@ -15,7 +15,9 @@ and `top_logprobs`, completions' `logprobs`) are asked of the worker's tokens (T
 shape, with `top_tokens` when alternatives are asked for). Completions' `echo` puts the
 prompt before the completion, and with `logprobs` lists the prompt's tokens first (the
 worker's `prefill`, TGI's `decoder_input_details`); `max_tokens` 0 with it scores the
-prompt alone. A chat's messages are read by `openai_messages`. Server process; plain
+prompt alone; `best_of` samples that many of a prompt's completions and answers the
+`n` likeliest (`best_of.likeliest_choices`). A chat's messages are read by
+`openai_messages`. Server process; plain
 Python.
 """
 
@@ -91,6 +93,7 @@ RESERVED_TEMPLATE_NAMES = frozenset(
     }
 )  # fmt: skip
 MAX_CHOICES = 128  # OpenAI's bound on "n"
+MAX_BEST_OF = 20  # OpenAI's bound on completions' "best_of"
 GRAMMAR_FIELDS = (
     "response_format",
     "structured_outputs",
@@ -118,17 +121,27 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none asked; else how many alternatives a token lists
     echo: bool = False  # completions: the prompt before its completion (and its tokens)
     n: int = 1  # choices per prompt
+    best_of: int = 1  # completions: generations per prompt, of which the `n` likeliest answer
     tools: Tools | None = None  # chat: the functions its answer may call
     grammar_field: str | None = None  # the field whose grammar holds the answer, if any
 
+    @property
+    def generations(self) -> int:
+        """A prompt's generations: its `n` choices, or the `best_of` they are chosen from."""
+        return max(self.n, self.best_of)
+
     def choice_params(self) -> list[dict[str, Any]]:
-        """The worker's parameters for each of a prompt's `n` choices: the same, but for a
-        seed, which each choice takes one further on (so that seeded choices differ, and
-        each repeats)."""
-        if "seed" not in self.params:
-            return [self.params] * self.n
-        seed = self.params["seed"]
-        return [{**self.params, "seed": (seed + j) % SEEDS} for j in range(self.n)]
+        """The worker's parameters for each of a prompt's generations: the same, but for a
+        seed, which each takes one further on (so that seeded choices differ, and each
+        repeats); where the likeliest are chosen, each lists its tokens' log
+        probabilities, by which they are."""
+        params = self.params
+        if self.best_of > self.n:
+            params = {name: value for name, value in params.items() if name != TOKEN_COUNTS_ONLY}
+        if "seed" not in params:
+            return [params] * self.generations
+        seed = params["seed"]
+        return [{**params, "seed": (seed + j) % SEEDS} for j in range(self.generations)]
 
 
 def unserved(schema: Schema, *allowed: Any) -> Field:
@@ -226,14 +239,17 @@ def generation_params(
 
 
 def check_choices(generation: GenerationRequest, most: int, admitted: int | None = None) -> None:
-    """413 for more choices (prompts × n) than one request may ask: each is a generation,
-    queued as an item of its own, so more than admission ever takes of one request
-    (`admitted`: the queue, and the rows of workers that take one item at a time) can
-    never be admitted either (a 503 would invite retries that all fail)."""
-    choices = len(generation.items) * generation.n
+    """413 for more choices (prompts × n, or × best_of) than one request may ask: each is
+    a generation, queued as an item of its own, so more than admission ever takes of one
+    request (`admitted`: the queue, and the rows of workers that take one item at a time)
+    can never be admitted either (a 503 would invite retries that all fail)."""
+    choices = len(generation.items) * generation.generations
     prompts = len(generation.items)
-    why = f"{choices} choices in one request ({prompts} prompt{'s' if prompts > 1 else ''}, "
-    why += f"n {generation.n})"
+    times, noun = (
+        ("n", "choices") if generation.best_of <= generation.n else ("best_of", "generations")
+    )
+    why = f"{choices} {noun} in one request ({prompts} prompt{'s' if prompts > 1 else ''}, "
+    why += f"{times} {generation.generations})"
     caps = (
         (most, f"at most {most} are allowed (--max-client-batch-size)"),
         (
@@ -245,7 +261,7 @@ def check_choices(generation: GenerationRequest, most: int, admitted: int | None
     for cap, says in caps:
         if cap is not None and choices > cap:
             # the field at fault: the prompts where they alone are too many, else n
-            field = "prompt" if len(generation.items) > cap else "n"
+            field = "prompt" if len(generation.items) > cap else times
             raise PayloadTooLarge(f"{why}: {says}", param=field)
 
 
@@ -635,10 +651,15 @@ def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRe
 def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     fields = COMPLETION.read(document)
     refuse_unserved(fields, COMPLETION_UNSERVED)
-    if fields.value("best_of") is not None and (n := fields.value("n") or 1) > 1:
-        # (as OpenAI and vLLM refuse it: the best of 1 cannot give n answers)
-        raise BadRequest(f'"best_of" (1) must be at least "n" ({n})', param="best_of")
     request = json_unstopped(generation_params(fields, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
+    best_of = fields.value("best_of")
+    if best_of is not None:
+        if best_of < request.n:  # (as OpenAI and vLLM refuse it)
+            message = f'"best_of" ({best_of}) must be at least "n" ({request.n})'
+            raise BadRequest(message, param="best_of")
+        if best_of > request.n and request.stream:  # (the likeliest are known at the end)
+            raise BadRequest('"best_of" above "n" cannot be streamed', param="best_of")
+        request = replace(request, best_of=best_of)
     prompts = fields.value("prompt", context)
     for index, prompt in enumerate(prompts):  # as every route: blank text is well-formed,
         where = item_name('"prompt"', index, len(prompts))  # but nothing to go on
@@ -974,7 +995,7 @@ CHAT_UNSERVED = (
     "web_search_options",
     "moderation",
 )
-COMPLETION_UNSERVED = ("suffix", "best_of")
+COMPLETION_UNSERVED = ("suffix",)
 COMPLETION = Body(
     {
         "prompt": Field(prompt_schema, read_prompts, reads_null=True, required=True),
@@ -984,6 +1005,7 @@ COMPLETION = Body(
         "suffix": unserved({"type": "null"}),
         # OpenAI's bound is 5; the chat route's 20 is taken here too
         "logprobs": whole(0, MAX_TOP_N_TOKENS),
-        "best_of": unserved({"enum": [1, None]}, 1),
+        # sampled completions a prompt, of which the `n` likeliest answer (OpenAI's)
+        "best_of": whole(1, MAX_BEST_OF),
     }
 )
