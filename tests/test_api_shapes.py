@@ -384,6 +384,21 @@ def test_stop_sequences_end_an_answer_that_may_be_words_and_never_one_held_to_js
     assert parse_chat({**asked, "tool_choice": "none"}).stop == stops
 
 
+@pytest.mark.parametrize(
+    ("asked", "generations"),
+    [
+        ({"best_of": 4}, 4),  # (the model's own sampling)
+        ({"best_of": 4, "n": 2, "temperature": 0.7}, 4),
+        ({"best_of": 4, "n": 2, "temperature": 0}, 2),  # greedy: every one the same
+        ({"best_of": 2, "n": 2}, 2),
+    ],
+)
+def test_completions_best_of_generates_so_many_unless_greedy(asked, generations):
+    served = ServedModel("m", ModelService(Idle(), Loaded("text-generation", {}, "{}")))
+    completion = parse_completion({"prompt": "hi", **asked}, DocContext(served, 32))
+    assert completion.generations == len(completion.choice_params()) == generations
+
+
 @pytest.mark.parametrize(("top_k", "asked"), [(5, 5), (0, 0), (-1, 0), (None, None)])
 def test_vllms_top_k_is_taken_on_both_routes(top_k, asked):
     """litellm forwards `top_k` on every OpenAI-compatible provider (`openai/`,

@@ -298,13 +298,32 @@ def test_an_echo_with_logprobs_over_the_bound_is_refused_before_the_work(tokeniz
     app = app_for("text-generation", tokenizer_json, {}, max_answer_bytes=100_000)
     one = "hello world " * 60
     document = {"prompt": one, "max_tokens": 0, "echo": True, "logprobs": 20}
-    for larger in ({"prompt": [one] * 4}, {"n": 4}, {"n": 4, "max_tokens": 1}):
+    # (best_of's completions each come back with their lists, the ones not chosen too)
+    for larger in (
+        {"prompt": [one] * 4},
+        {"n": 4},
+        {"n": 4, "max_tokens": 1},
+        {"best_of": 4, "temperature": 1.0},
+    ):
         status, body = post(app, "/v1/completions", {**document, **larger})
         assert status == 413 and "100,000 bytes" in body["error"]["message"]
     # one prompt, one choice: about 50 KB; without log probabilities: the prompt's text
     for smaller in ({}, {"prompt": [one] * 4, "logprobs": None}):
         status, body = post(app, "/v1/completions", {**document, **smaller})
         assert status != 413, body
+
+
+def test_best_of_counts_every_completions_log_probabilities_before_the_work(tokenizer_json):
+    """The worker sends back each of best_of's completions with its tokens' alternatives
+    (the likeliest are chosen after): n 20 was 413 where best_of 20 took the same work.
+    The idle queue fails any call: a 413 here was decided before the model ran."""
+    app = app_for("text-generation", tokenizer_json, {}, max_answer_bytes=100_000)
+    document = {"prompt": "hello", "max_tokens": 100, "logprobs": 20, "temperature": 1.0}
+    for larger in ({"n": 20}, {"best_of": 20}):
+        status, body = post(app, "/v1/completions", {**document, **larger})
+        assert status == 413 and "100,000 bytes" in body["error"]["message"], body
+    status, body = post(app, "/v1/completions", {**document, "best_of": 2})
+    assert status != 413, body
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -477,7 +477,7 @@ class OpenAIRoutes:
             generated = check_generated_size(
                 model.limits.default_new_tokens if asked is None else asked,
                 generation.logprobs + 1,  # the chosen token is listed among them
-                len(generation.items) * generation.n,
+                len(generation.items) * generation.generations,  # (best_of: each sent back)
                 CHAT_LISTED_BYTES if chat else LISTED_BYTES,
                 largest,
                 generation.max_tokens_field,
@@ -488,7 +488,7 @@ class OpenAIRoutes:
                 model,
                 generation.items,
                 generation.logprobs + 1,
-                generation.n,
+                generation.generations,
                 largest,
                 generated,
             )

@@ -659,7 +659,8 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
             raise BadRequest(message, param="best_of")
         if best_of > request.n and request.stream:  # (the likeliest are known at the end)
             raise BadRequest('"best_of" above "n" cannot be streamed', param="best_of")
-        request = replace(request, best_of=best_of)
+        if request.params.get("do_sample") is not False:  # (greedy: every one the same)
+            request = replace(request, best_of=best_of)
     prompts = fields.value("prompt", context)
     for index, prompt in enumerate(prompts):  # as every route: blank text is well-formed,
         where = item_name('"prompt"', index, len(prompts))  # but nothing to go on
