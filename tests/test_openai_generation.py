@@ -682,6 +682,43 @@ def test_a_streamed_response_is_openais_event_sequence_ending_as_the_whole_one(s
     assert raw.startswith(b"event: response.created\ndata: {")
 
 
+def test_a_responses_logprobs_are_the_same_chats_on_its_text_and_its_deltas(servers):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the answer's
+    tokens listed on its text part as chat lists them (OpenAI's Logprob entries), the
+    same on the stream's deltas and its text's end; `top_logprobs` alone lists none."""
+    openai_client = client(servers["chat"])
+    asked = {"model": CHAT_MODEL, "input": MESSAGES, "max_output_tokens": 12, "temperature": 0}
+    listed = {**asked, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = openai_client.responses.create(**listed)
+    chat = openai_client.chat.completions.create(
+        model=CHAT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    [part] = whole.output[0].content
+    entries = [entry.model_dump() for entry in part.logprobs]
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    assert len(entries) == len(expected) == whole.usage.output_tokens > 0
+    for got, chats in zip(entries, expected, strict=True):
+        assert (got["token"], got["bytes"]) == (chats["token"], chats["bytes"])
+        assert got["logprob"] == pytest.approx(chats["logprob"], abs=1e-4)
+        assert [t["token"] for t in got["top_logprobs"]] == [
+            t["token"] for t in chats["top_logprobs"]
+        ]
+        assert len(got["top_logprobs"]) == 2
+    assert "".join(entry["token"] for entry in entries) == whole.output_text
+    assert whole.top_logprobs == 2
+    events = list(openai_client.responses.create(**listed, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [entry.model_dump() for e in deltas for entry in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [entry["token"] for entry in streamed] == [entry["token"] for entry in entries]
+    assert [entry.model_dump() for entry in done.logprobs] == streamed
+    ended = events[-1].response.output[0].content[0]
+    assert [entry.model_dump() for entry in ended.logprobs] == streamed
+    plain = openai_client.responses.create(**asked, top_logprobs=2)
+    assert plain.output[0].content[0].logprobs is None and plain.output_text == whole.output_text
+
+
 def test_a_responses_input_of_messages_and_text_parts_is_the_same_chat(servers):
     openai_client = client(servers["chat"])
     earlier = openai_client.responses.create(
@@ -764,7 +801,9 @@ def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
         ({"text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # (chat's)
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),  # (needs stored ones)
+        ({"include": "message.output_text.logprobs"}, "include"),  # (a list of them)
         ({"n": 2}, None),  # (not a Responses field)
     ],
 )

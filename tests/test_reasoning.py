@@ -757,6 +757,35 @@ def test_a_streamed_response_sends_a_reasoning_item_then_the_message_never_a_tag
     assert last.response.output_text == "Hello!"
 
 
+@pytest.mark.parametrize(
+    ("texts", "listed"),
+    [
+        (TOKENS, ["\nHel", "lo!"]),  # (the first reaches into the answer: "Hel")
+        (["<think>", "a", "</think>", "Hi", ""], ["Hi", ""]),  # (an end of sequence: "")
+        (["<think>", "a</think>\n\nHi", " there"], ["a</think>\n\nHi", " there"]),
+        (["Hi", " there", ""], ["Hi", " there", ""]),  # (no thinking: every token)
+    ],
+)
+def test_a_responses_logprobs_list_the_messages_tokens_whole_and_streamed(texts, listed):
+    """With `include`'s logprobs, the message's text part lists the tokens of its text,
+    not those of the thinking before it (OpenAI's reasoning models list none of theirs);
+    a stream's deltas list the same ones, and its text's end all of them."""
+    _, settings = parse_response({"input": "hi"})
+    stream = Stream(texts, opened=OPENED_IN_ANSWER)
+    answer = ResponseAnswer("m", settings, thinking=OPENED_IN_ANSWER, logprobs=0)
+    whole = stream.output()
+    whole["details"]["tokens"] = stream.tokens
+    [part] = answer.whole([whole], [])["output"][-1]["content"]
+    assert [entry["token"] for entry in part["logprobs"]] == listed
+    events = responded(answer, stream)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [entry.token for e in deltas for entry in e.logprobs] == listed
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [entry.token for entry in done.logprobs] == listed
+    ended = events[-1].response.output[-1].content[0]
+    assert [entry.token for entry in ended.logprobs] == listed
+
+
 def test_a_streamed_response_cut_inside_its_thinking_is_a_reasoning_item_alone():
     _, settings = parse_response({"input": "hi", "stream": True})
     answer = ResponseAnswer("m", settings, thinking=OPENED_IN_ANSWER)

@@ -424,7 +424,9 @@ class OpenAIRoutes:
             generation.params[THINKING_IN_CONTENT] = True
         else:
             thinking = answers_opening(model.thinking, generation.items)
-        shape = ResponseAnswer(model.name, settings, thinking=thinking)
+        shape = ResponseAnswer(
+            model.name, settings, thinking=thinking, logprobs=generation.logprobs
+        )
         return await self.generate(request, model, generation, chat=True, shape=shape)
 
     async def complete(

@@ -6,7 +6,9 @@ or as the SDK's stream of named events.
 Served: `input` (a text, or messages whose content is a text or text parts, an
 assistant's refusal part the text it answered: read by `openai_responses_input`),
 `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`,
-`stream` and `text.format` (chat's `response_format`). Nothing is stored (`store` is
+`stream`, `text.format` (chat's `response_format`), and `include`'s
+`"message.output_text.logprobs"` with `top_logprobs` (the answer's tokens' log
+probabilities on its text part and its deltas, as chat lists them). Nothing is stored (`store` is
 taken, as false); `metadata` and `user` are checked, then dropped. What needs stored
 responses or tools (`previous_response_id`, `conversation`, `background`, tools, input
 items that are not messages: images, files, function outputs) is refused with 400 naming
@@ -30,10 +32,18 @@ from dataclasses import replace
 from typing import Any
 
 from rawserve.api.fields import Body, Field, flag, text, unicode_text, whole
-from rawserve.api.openai_answers import Streamed, cut_at_stop, finish_reason, stops_from, usage
+from rawserve.api.openai_answers import (
+    Release,
+    Streamed,
+    cut_at_stop,
+    finish_reason,
+    stops_from,
+    usage,
+)
 from rawserve.api.openai_generation import (
     COMMON,
     MAX_NEW_TOKENS,
+    MAX_TOP_N_TOKENS,
     METADATA,
     OPENAI_RESPONSE_FORMAT,
     PROMPT_CACHE,
@@ -45,7 +55,9 @@ from rawserve.api.openai_generation import (
     read_response_format,
     refuse_unserved,
     unserved,
+    with_logprobs,
 )
+from rawserve.api.openai_logprobs import Listed, answer_tokens, chat_logprobs
 from rawserve.api.openai_responses_input import read_input, refuse_unknown
 from rawserve.api.reasoning import CONTENT, REASONING, Thinking, split_answer
 from rawserve.api.routing import DocContext, Schema
@@ -78,6 +90,25 @@ def read_reasoning(name: str, value: Any, context: DocContext | None) -> Any:
             '{"effort": "none"} with no summary',
             param=name,
         )
+    return value
+
+
+# what `include` may ask for: the answer's tokens' log probabilities (the others need
+# stored responses, tools or images)
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+def read_include(name: str, value: Any, context: DocContext | None) -> list[str]:
+    """`include`: what the answer adds; of OpenAI's, only its tokens' log probabilities."""
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise BadRequest(f'"{name}" must be a list of texts', param=name)
+    for item in value:
+        if item != OUTPUT_LOGPROBS:
+            raise BadRequest(
+                f'"{name}" {item!r} is not supported by this server: it takes only '
+                f'"{OUTPUT_LOGPROBS}"',
+                param=name,
+            )
     return value
 
 
@@ -160,12 +191,15 @@ RESPONSES = Body(
         "background": unserved({"enum": [False, None]}, False),
         "tools": unserved({"enum": [[], None]}, []),
         "tool_choice": unserved({"enum": ["none", "auto", None]}, "none", "auto"),
-        "include": unserved({"enum": [[], None]}, []),
+        "include": Field(
+            {"type": ["array", "null"], "items": {"enum": [OUTPUT_LOGPROBS]}}, read_include
+        ),
         "reasoning": Field({"type": ["object", "null"]}, read_reasoning),
         "prompt": unserved({"type": "null"}),
         "truncation": unserved({"enum": ["disabled", None]}, "disabled"),
         "service_tier": unserved({"enum": ["auto", "default", None]}, "auto", "default"),
-        "top_logprobs": unserved({"enum": [0, None]}, 0),
+        # the likeliest tokens listed beside each (with include's logprobs; else none)
+        "top_logprobs": whole(0, MAX_TOP_N_TOKENS),
         "max_tool_calls": unserved({"type": "null"}),
         "moderation": unserved({"type": "null"}),
         "context_management": unserved({"enum": [[], None]}, []),
@@ -184,12 +218,10 @@ UNSERVED = (
     "background",
     "tools",
     "tool_choice",
-    "include",
     "reasoning",
     "prompt",
     "truncation",
     "service_tier",
-    "top_logprobs",
     "max_tool_calls",
     "moderation",
     "context_management",
@@ -208,7 +240,14 @@ BOOKKEEPING = (
 )
 # a Response's settings, said back as it was asked (OpenAI's answer repeats them; the
 # temperature and top_p as sampled: `sampled_with`)
-SETTINGS = ("instructions", "max_output_tokens", "temperature", "top_p", "parallel_tool_calls")
+SETTINGS = (
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "top_logprobs",
+)
 # what identifies the asker and the cache, said back as sent (null where not)
 ECHOED = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention")
 
@@ -239,6 +278,8 @@ def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
     generation = replace(parse_chat(chat), max_tokens_field="max_output_tokens")
     if generation.grammar_field == "response_format":  # a Responses body's is its "text"
         generation = replace(generation, grammar_field="text.format")
+    if OUTPUT_LOGPROBS in (fields.value("include") or ()):  # (top_logprobs alone: none, as vLLM)
+        generation = with_logprobs(generation, fields.value("top_logprobs") or 0)
     settings = {name: fields.value(name) for name in SETTINGS}
     settings.update({name: fields.get(name) for name in ECHOED})
     settings["metadata"] = fields.value("metadata") or {}
@@ -280,10 +321,13 @@ class ResponseAnswer:
         settings: dict[str, Any],
         clock: Callable[[], float] = time.time,
         thinking: str | None = None,
+        logprobs: int | None = None,
     ):
         self.model = model
         self.settings = settings
         self.clock = clock
+        # None: no log probabilities asked; else the alternatives each token lists
+        self.logprobs = logprobs
         # a reasoning model's answer: where its thinking opens (`reasoning`); None: all text
         self.thinking = thinking
         self.id = "resp_" + uuid.uuid4().hex
@@ -317,14 +361,26 @@ class ResponseAnswer:
             **fields,
         }
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
+    def message(self, text: str, status: str, tokens: Sequence[Listed] = ()) -> dict[str, Any]:
         return {
             "id": self.message_id,
             "type": "message",
             "status": status,
             "role": "assistant",
-            "content": [] if status == "in_progress" else [output_text(text)],
+            "content": [] if status == "in_progress" else [self.output_text(text, tokens)],
         }
+
+    def output_text(self, text: str, tokens: Sequence[Listed] = ()) -> dict[str, Any]:
+        """The message's text part, with its tokens' log probabilities where asked."""
+        part = output_text(text)
+        if self.logprobs is not None:
+            part["logprobs"] = self.listing(tokens)
+        return part
+
+    def listing(self, tokens: Sequence[Listed]) -> list[dict[str, Any]]:
+        """Tokens as a text part and its deltas list them (chat's entries); none where no
+        log probabilities were asked."""
+        return chat_logprobs(tokens)["content"] if self.logprobs is not None else []
 
     def reasoning(self, text: str, status: str) -> dict[str, Any]:
         return {
@@ -335,18 +391,28 @@ class ResponseAnswer:
             "content": [] if status == "in_progress" else [reasoning_text(text)],
         }
 
-    def items(self, reasoning: str | None, text: str | None, status: str) -> list[dict[str, Any]]:
+    def items(
+        self,
+        reasoning: str | None,
+        text: str | None,
+        status: str,
+        tokens: Sequence[Listed] = (),
+    ) -> list[dict[str, Any]]:
         """The output: the thinking (done once the answer followed it; none where it was
-        empty, as a stream announces none), then the answer."""
+        empty, as a stream announces none), then the answer (`tokens`: its text's)."""
         items = []
         if reasoning:
             items.append(self.reasoning(reasoning, "completed" if text is not None else status))
         if text is not None:
-            items.append(self.message(text, status))
+            items.append(self.message(text, status, tokens))
         return items
 
     def finished(
-        self, output: dict[str, Any], reasoning: str | None, text: str | None
+        self,
+        output: dict[str, Any],
+        reasoning: str | None,
+        text: str | None,
+        tokens: Sequence[Listed] = (),
     ) -> dict[str, Any]:
         """The Response once `output` has finished: incomplete where its tokens ran out."""
         counted = usage([output])
@@ -363,7 +429,7 @@ class ResponseAnswer:
             status, incomplete, completed_at = "incomplete", {"reason": "max_output_tokens"}, None
         else:
             status, incomplete, completed_at = "completed", None, int(self.clock())
-        items = self.items(reasoning, text, status)
+        items = self.items(reasoning, text, status, tokens)
         return self.response(
             status, items, incomplete_details=incomplete, usage=used, completed_at=completed_at
         )
@@ -373,12 +439,17 @@ class ResponseAnswer:
     ) -> dict[str, Any]:
         """The Response (`_`: chat's echoes and choice count; a Response has none and one)."""
         [output] = outputs
-        text = cut_at_stop(output["generated_text"], stops, stops_from(output))
+        generated = output["generated_text"]
+        text = cut_at_stop(generated, stops, stops_from(output))
         reasoning: str | None = None
         content: str | None = text
         if self.thinking is not None:
             reasoning, content = split_answer(text, output["details"], self.thinking)
-        return self.finished(output, reasoning, content)
+        tokens: list[Listed] = []
+        if self.logprobs is not None and content is not None:
+            tokens = answer_tokens(output["details"], len(text), len(generated))
+            tokens = tokens_from(tokens, len(text) - len(content))  # (the thinking's: not)
+        return self.finished(output, reasoning, content, tokens)
 
     async def events(
         self, streams: Sequence[TokenStream], stops: Sequence[str], *_: Any
@@ -403,8 +474,9 @@ class ResponseAnswer:
                     continue
                 if thinking is not None and chunk.opened is not None:  # its first token
                     thinking = Thinking(chunk.opened)
-                sending = choice.add(chunk.token, stops, None)
+                sending = choice.add(chunk.token, stops, self.logprobs)
                 if sending is not None:
+                    items.place(sending)
                     for sent in items.add(pieces(thinking, sending[0])):
                         yield sent
             output = streams[0].output()
@@ -414,10 +486,12 @@ class ResponseAnswer:
                 ending += thinking.end()
                 if not thinking.thought:  # all of it the answer (empty, perhaps)
                     ending.append((CONTENT, ""))
-            for sent in items.add(ending):
+            if rest is not None:
+                items.place(rest)
+            for sent in items.add(ending) + items.add_the_rest():
                 yield sent
             thought = items.reasoning if thinking is not None and thinking.thought else None
-            answered = self.finished(output, thought, items.text)
+            answered = self.finished(output, thought, items.text, items.tokens)
             for sent in items.close(answered["output"]):
                 yield sent
             ended = "response." + answered["status"]  # completed or incomplete, as OpenAI's
@@ -433,6 +507,29 @@ class ResponseAnswer:
         finally:
             for stream in streams:
                 stream.close()
+
+
+def tokens_from(tokens: Sequence[Listed], start: int) -> list[Listed]:
+    """The tokens of the text from `start` characters on (a reasoning model's answer's,
+    after its thinking's; `answers`)."""
+    placed = placed_tokens(tokens, 0)
+    return [token for token, at in placed if answers(token, at, start)]
+
+
+def placed_tokens(tokens: Sequence[Listed], offset: int) -> list[tuple[Listed, int]]:
+    """Tokens with where each one's text starts, the first's at `offset`."""
+    placed = []
+    for token in tokens:
+        placed.append((token, offset))
+        offset += len(token.text)
+    return placed
+
+
+def answers(token: Listed, at: int, start: int) -> bool:
+    """Whether a token whose text starts `at` is the answer's, which starts at `start`: its
+    text reaches into the answer (a token of the tag's end and the answer's first word
+    is), or it starts there (one that adds no text: an end of sequence)."""
+    return at >= start or at + len(token.text) > start
 
 
 def pieces(thinking: Thinking | None, text: str) -> list[tuple[str, str]]:
@@ -453,6 +550,13 @@ class StreamedItems:
         self.kinds: list[str] = []  # of the items opened, in order
         self.reasoning = ""
         self.text: str | None = None  # the message's text, once it opened
+        # where log probabilities are asked: the message's tokens sent, those whose text
+        # went out and are not listed yet (with where each starts), and where the message's
+        # text starts in the answer's (after a reasoning model's thinking and its tag)
+        self.tokens: list[Listed] = []
+        self.unlisted: list[tuple[Listed, int]] = []
+        self.fed = 0  # the answer's text split so far
+        self.answer_start: int | None = None
 
     def event(self, kind: str, **fields: Any) -> bytes:
         return event(kind, next(self.numbers), **fields)
@@ -461,9 +565,40 @@ class StreamedItems:
         item = self.answer.reasoning_id if kind == REASONING else self.answer.message_id
         return {"item_id": item, "output_index": self.kinds.index(kind), "content_index": 0}
 
+    def place(self, release: Release) -> None:
+        """The answer's next text with its tokens (`Streamed`'s), before it is split into
+        `add`'s pieces."""
+        text, tokens, offset = release
+        self.unlisted += placed_tokens(tokens, offset)
+        self.fed += len(text)
+
+    def listing(self) -> list[dict[str, Any]]:
+        """The message's tokens not listed yet, listed now (those of the thinking dropped):
+        the answer's text starts where its first piece began (nothing is held back once
+        it has: the piece ends where the text split so far does)."""
+        start = self.answer_start
+        if start is None:
+            return []
+        tokens = [token for token, at in self.unlisted if answers(token, at, start)]
+        self.unlisted = []
+        self.tokens += tokens
+        return self.answer.listing(tokens)
+
+    def add_the_rest(self) -> list[bytes]:
+        """Once the answer has ended: its tokens that no text followed (an end of
+        sequence), in a delta of no text."""
+        if self.answer_start is None or self.open != CONTENT:
+            return []
+        listing = self.listing()
+        if not listing:
+            return []
+        where = self.where(CONTENT)
+        return [self.event("response.output_text.delta", **where, delta="", logprobs=listing)]
+
     def add(self, pieces: list[tuple[str, str]]) -> list[bytes]:
         """The events that send `pieces`: an item opens as its first piece comes (the
-        thinking's closes as the answer's opens)."""
+        thinking's closes as the answer's opens); the answer's pieces carry the tokens
+        placed before them (`place`)."""
         sent = []
         for kind, piece in pieces:
             if kind == REASONING and not piece:  # (empty thinking is no item: `items`)
@@ -480,8 +615,11 @@ class StreamedItems:
                 sent.append(self.event(name, **self.where(kind), delta=piece))
             else:
                 self.text = (self.text or "") + piece
+                if self.answer_start is None:  # (the last piece: see `listing`)
+                    self.answer_start = self.fed - len(piece)
+                listing = self.listing()
                 name = "response.output_text.delta"
-                sent.append(self.event(name, **self.where(kind), delta=piece, logprobs=[]))
+                sent.append(self.event(name, **self.where(kind), delta=piece, logprobs=listing))
         return sent
 
     def start(self, kind: str) -> list[bytes]:
@@ -511,7 +649,10 @@ class StreamedItems:
         if kind == REASONING:
             done = self.event("response.reasoning_text.done", **where, text=part["text"])
         else:
-            done = self.event("response.output_text.done", **where, text=part["text"], logprobs=[])
+            listing = part.get("logprobs", [])
+            done = self.event(
+                "response.output_text.done", **where, text=part["text"], logprobs=listing
+            )
         index = where["output_index"]
         return [
             done,
@@ -526,7 +667,7 @@ class StreamedItems:
             closed = self.open != REASONING
             said.append(self.answer.reasoning(self.reasoning, "completed" if closed else status))
         if CONTENT in self.kinds:  # (announced, though no text came yet)
-            said.append(self.answer.message(self.text or "", status))
+            said.append(self.answer.message(self.text or "", status, self.tokens))
         return said
 
 
