@@ -1,6 +1,6 @@
 """What the continuous loop does to each row's scores at every step beside the model's
 forward pass, at a real vocabulary: greedy, log probabilities, sampling with each of
-generate's settings, OpenAI's penalties and a logit bias.
+generate's settings, OpenAI's penalties, a logit bias and TGI's watermark.
 
     python -m bench.sampling_cost [--vocabulary 50257] [--rows 64] [--rounds 3]
 
@@ -40,6 +40,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "repetition_penalty 1.1": {"repetition_penalty": 1.1},
     "frequency 0.5, presence 0.3": {"openai": {"frequency_penalty": 0.5, "presence_penalty": 0.3}},
     "logit_bias (2 tokens)": {"openai": {"logit_bias": {"5": 2.0, "7": -1.0}}},
+    "watermark (TGI's)": {"watermark": True},
 }
 
 
