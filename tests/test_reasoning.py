@@ -764,6 +764,7 @@ def test_a_streamed_response_sends_a_reasoning_item_then_the_message_never_a_tag
         (["<think>", "a", "</think>", "Hi", ""], ["Hi", ""]),  # (an end of sequence: "")
         (["<think>", "a</think>\n\nHi", " there"], ["a</think>\n\nHi", " there"]),
         (["Hi", " there", ""], ["Hi", " there", ""]),  # (no thinking: every token)
+        ([""], [""]),  # (an answer of no text: its end, in a delta of none)
     ],
 )
 def test_a_responses_logprobs_list_the_messages_tokens_whole_and_streamed(texts, listed):

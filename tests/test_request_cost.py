@@ -313,6 +313,22 @@ def test_an_echo_with_logprobs_over_the_bound_is_refused_before_the_work(tokeniz
         assert status != 413, body
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_logprobs_over_the_bound_are_refused_before_the_work(tokenizer_json, stream):
+    """A Response's stream ends with events that each list every token (its text's end,
+    its part's, its item's, the Response's): counted as the whole answer is, where a
+    chat's stream lists each token once as it goes. The idle queue fails any call."""
+    template = {"chat_template": "{{ messages }}"}
+    app = app_for("text-generation", tokenizer_json, template, max_answer_bytes=100_000)
+    document = {"input": "hello", "max_output_tokens": 200, "stream": stream}
+    document.update(include=["message.output_text.logprobs"], top_logprobs=20)
+    status, body = post(app, "/v1/responses", document)
+    assert status == 413 and "100,000 bytes" in body["error"]["message"], body
+    assert body["error"]["param"] == "max_output_tokens"
+    status, body = post(app, "/v1/responses", {**document, "max_output_tokens": 20})
+    assert status != 413, body
+
+
 def test_best_of_counts_every_completions_log_probabilities_before_the_work(tokenizer_json):
     """The worker sends back each of best_of's completions with its tokens' alternatives
     (the likeliest are chosen after): n 20 was 413 where best_of 20 took the same work.

@@ -474,7 +474,10 @@ class OpenAIRoutes:
         await check_prompt_room(self.context.tokenizers, model, generation, chat, scored)
         largest = self.context.settings.max_answer_bytes
         generated = 0  # the bytes the new tokens' log probabilities may take
-        if generation.logprobs is not None and not generation.stream:  # (a stream: as it goes)
+        # (a chat's stream lists them as they go; a Response's ends with events that each
+        # list them all, as its whole answer does)
+        whole_listed = not generation.stream or isinstance(shape, ResponseAnswer)
+        if generation.logprobs is not None and whole_listed:
             asked = generation.params.get("max_new_tokens")
             generated = check_generated_size(
                 model.limits.default_new_tokens if asked is None else asked,

@@ -587,8 +587,10 @@ class StreamedItems:
     def add_the_rest(self) -> list[bytes]:
         """Once the answer has ended: its tokens that no text followed (an end of
         sequence), in a delta of no text."""
-        if self.answer_start is None or self.open != CONTENT:
+        if self.open != CONTENT:
             return []
+        if self.answer_start is None:  # (an answer of no text: its end of sequence, say)
+            self.answer_start = self.fed
         listing = self.listing()
         if not listing:
             return []
