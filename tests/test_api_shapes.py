@@ -792,7 +792,8 @@ AGREEMENT = [
     ("CHAT", {"messages": HI, "store": True}, False),
     ("CHAT", {"messages": HI, "service_tier": "flex"}, False),
     ("CHAT", {"messages": HI, "modalities": ["text", "audio"]}, False),
-    ("CHAT", {"messages": HI, "reasoning_effort": "high"}, False),
+    ("CHAT", {"messages": HI, "reasoning_effort": "high"}, True),  # (the model's to read)
+    ("CHAT", {"messages": HI, "reasoning_effort": "extreme"}, False),
     ("CHAT", {"messages": HI, "prediction": {"type": "content", "content": "x"}}, False),
     ("CHAT", {"messages": HI, "audio": {"voice": "alloy", "format": "mp3"}}, False),
     ("CHAT", {"messages": HI, "metadata": {"run": 7}}, False),

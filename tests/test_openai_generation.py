@@ -48,6 +48,7 @@ def template_file(tmp_path_factory):
 
 
 TOOLS_TEMPLATE = (  # a template that shows the tools itself, as instruction-tuned ones do
+    "{% if reasoning_effort is defined %}[effort] {{ reasoning_effort }}\n{% endif %}"
     "{% if tools %}[tools] {{ tools | tojson }}\n{% endif %}"
     "{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
@@ -411,13 +412,41 @@ def test_chat_takes_openais_fields_at_their_default_values(servers):
     assert answer.usage.completion_tokens <= 3
 
 
+def test_reasoning_effort_is_set_in_a_template_that_reads_it(servers, more_servers):
+    """OpenAI's `reasoning_effort` (chat) and `reasoning.effort` (a Response) render in a
+    template that reads `reasoning_effort` (as gpt-oss's does): the prompt grows by its
+    line; a model whose template reads none refuses it, naming the field."""
+    import openai
+
+    tools = client(more_servers["tools"])
+    asked = {"model": TOOLS_MODEL, "messages": MESSAGES, "max_tokens": 1}
+    plain = tools.chat.completions.create(**asked)
+    high = tools.chat.completions.create(**asked, reasoning_effort="high")
+    assert high.usage.prompt_tokens > plain.usage.prompt_tokens
+    none = tools.chat.completions.create(**asked, reasoning_effort="none")
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    said = {"model": TOOLS_MODEL, "input": MESSAGES, "max_output_tokens": 1}
+    response = tools.responses.create(**said, reasoning={"effort": "high"})
+    assert response.usage.input_tokens == high.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(servers["chat"]).responses.create(
+            model=CHAT_MODEL, input="hi", max_output_tokens=1, reasoning={"effort": "high"}
+        )
+    assert raised.value.body["param"] == "reasoning.effort"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(servers["chat"]).chat.completions.create(
+            model=CHAT_MODEL, messages=MESSAGES, max_tokens=1, reasoning_effort="high"
+        )
+    assert raised.value.param == "reasoning_effort"
+    assert "its chat template reads no reasoning_effort" in raised.value.message
+
+
 @pytest.mark.parametrize(
     "extra",
     [
         {"store": True},
         {"service_tier": "flex"},
         {"modalities": ["text", "audio"]},
-        {"reasoning_effort": "high"},
         {"prediction": {"type": "content", "content": "a movie"}},
     ],
     ids=repr,
@@ -781,7 +810,7 @@ def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # (its template reads none)
         ({"reasoning": {"effort": "none", "summary": "auto"}}, "reasoning"),
         ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
         ({"context_management": [{"type": "compaction"}]}, "context_management"),

@@ -920,20 +920,54 @@ def test_a_response_stream_that_fails_keeps_the_thinking_and_text_it_sent(texts,
     [
         ({"effort": "none"}, True),
         ({"effort": None, "summary": None}, True),
-        ({"effort": "high"}, False),  # (it was served, with no effort asked of the model)
+        ({"effort": "high"}, True),  # (a template that reads one: set, else refused)
+        ({"effort": "extreme"}, False),
         ({"effort": "none", "summary": "auto"}, False),
         ({"effort": "none", "budget": 10}, False),
     ],
 )
-def test_a_responses_reasoning_setting_is_taken_at_its_off_values_only(reasoning, taken):
-    """What a model thinks is its template's doing: an effort or a summary asked of it
-    is refused, naming the field, never served without them."""
+def test_a_responses_reasoning_setting_is_an_effort_and_no_summary(reasoning, taken):
+    """What a model thinks is said as it thinks it: a summary asked of it is refused,
+    naming the field, never served without one; an effort is the template's to read."""
     from rawserve.api.openai_responses import parse_response
     from rawserve.http.errors import BadRequest
 
     if taken:
-        parse_response({"input": "hi", "reasoning": reasoning})
+        parse_response({"input": "hi", "reasoning": reasoning}, reads_effort=True)
         return
     with pytest.raises(BadRequest, match="is not supported by this server") as refused:
-        parse_response({"input": "hi", "reasoning": reasoning})
+        parse_response({"input": "hi", "reasoning": reasoning}, reads_effort=True)
     assert refused.value.param == "reasoning"
+
+
+@pytest.mark.parametrize("reads_effort", [True, False])
+def test_openais_reasoning_effort_is_the_templates_where_it_reads_one(reads_effort):
+    """Chat's `reasoning_effort` and a Response's `reasoning.effort` set the template's
+    `reasoning_effort` (gpt-oss's reads it), as vLLM sets it; a template that reads none
+    refuses it, naming the field ("none" and null are the template's own default); a
+    `chat_template_kwargs` that sets it is what the client means."""
+    from rawserve.api.openai_generation import parse_chat
+    from rawserve.api.openai_responses import parse_response
+    from rawserve.http.errors import BadRequest
+
+    hi = [{"role": "user", "content": "hi"}]
+    for effort in ("none", None):
+        chat = parse_chat({"messages": hi, "reasoning_effort": effort}, reads_effort=False)
+        assert "template_kwargs" not in chat.items[0]
+    asked = [
+        (lambda: parse_chat({"messages": hi, "reasoning_effort": "high"}, False, reads_effort),
+         "reasoning_effort"),
+        (lambda: parse_response({"input": "hi", "reasoning": {"effort": "high"}}, reads_effort)[0],
+         "reasoning.effort"),
+    ]  # fmt: skip
+    for parse, field in asked:
+        if not reads_effort:
+            with pytest.raises(BadRequest, match="its chat template reads no") as refused:
+                parse()
+            assert refused.value.param == field
+            continue
+        assert parse().items[0]["template_kwargs"] == {"reasoning_effort": "high"}
+    if reads_effort:
+        both = {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}
+        chat = parse_chat({"messages": hi, **both}, reads_effort=True)
+        assert chat.items[0]["template_kwargs"] == {"reasoning_effort": "low"}

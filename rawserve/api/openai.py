@@ -403,7 +403,12 @@ class OpenAIRoutes:
 
     async def chat(self, request: HttpRequest, model: ServedModel, document: Any) -> HttpResponse:
         loaded = model.serving.loaded
-        generation = parse_chat(document, bool(loaded and loaded.details.get("chat_one_call")))
+        details = loaded.details if loaded else {}
+        generation = parse_chat(
+            document,
+            bool(details.get("chat_one_call")),
+            bool(details.get("chat_reads_reasoning_effort")),
+        )
         if self.context.settings.thinking_in_content:  # (an answer held from its first token)
             generation.params[THINKING_IN_CONTENT] = True
         check_chat_template(model)
@@ -413,9 +418,10 @@ class OpenAIRoutes:
         self, request: HttpRequest, model: ServedModel, document: Any
     ) -> HttpResponse:
         """A Response: its input is a chat, answered in the Responses API's shape."""
-        generation, settings = parse_response(document)
-        check_chat_template(model)
         loaded = model.serving.loaded
+        reads_effort = bool(loaded and loaded.details.get("chat_reads_reasoning_effort"))
+        generation, settings = parse_response(document, reads_effort)
+        check_chat_template(model)
         settings = sampled_with(settings, loaded.details.get("sampling") if loaded else None)
         # a reasoning model's thinking, a reasoning item (but where the operator keeps it
         # in the answer's text: then a format holds the answer from its first token)

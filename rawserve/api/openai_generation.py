@@ -5,7 +5,8 @@ declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 
 What OpenAI's API has and rawserve does not serve (`suffix`, `store`,
 `service_tier`...; a streamed echo with log probabilities) is taken at its off or default
-value and refused with 400 naming it otherwise, never ignored; OpenAI's bookkeeping
+value and refused with 400 naming it otherwise, never ignored (`reasoning_effort` is
+the chat template's variable where the template reads one); OpenAI's bookkeeping
 (`user`, `metadata`) is checked, then dropped. Several choices a
 prompt (`n`) are each a generation of their own, queued together, streamed as their
 tokens come; `logit_bias`, `frequency_penalty` and `presence_penalty` change each step's
@@ -92,6 +93,8 @@ RESERVED_TEMPLATE_NAMES = frozenset(
         "strftime_now",
     }
 )  # fmt: skip
+# OpenAI's reasoning efforts ("none": the model's own, its template's default)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_CHOICES = 128  # OpenAI's bound on "n"
 MAX_BEST_OF = 20  # OpenAI's bound on completions' "best_of"
 GRAMMAR_FIELDS = (
@@ -510,9 +513,12 @@ def stop_sequences(value: Any) -> list[str]:
     return [unicode_text(s, '"stop"') for s in stops]
 
 
-def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
+def parse_chat(
+    document: Any, one_call: bool = False, reads_effort: bool = False
+) -> GenerationRequest:
     """A chat request; `one_call`: the model's template takes one tool call an answer (its
-    answer is held to one, `parallel_tool_calls` or not)."""
+    answer is held to one, `parallel_tool_calls` or not); `reads_effort`: the template
+    reads a `reasoning_effort` (`template_effort`)."""
     fields = CHAT.read(document)
     refuse_unserved(fields, CHAT_UNSERVED)
     for name in CHAT_BOOKKEEPING:  # checked, then dropped: they change no answer
@@ -521,7 +527,9 @@ def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
     chat: dict[str, Any] = {"messages": fields.value("messages")}
     params = {**request.params, CHAT_PARAM: True}
     tools = requested_tools(fields, one_call)
-    if variables := fields.value("chat_template_kwargs"):
+    effort = template_effort(fields.value("reasoning_effort"), reads_effort, "reasoning_effort")
+    # (one the client sets among the template's variables is the one it means)
+    if variables := {**effort, **(fields.value("chat_template_kwargs") or {})}:
         chat["template_kwargs"] = variables
     opening = answer_opening(fields)
     if opening:
@@ -620,6 +628,22 @@ def answer_opening(fields: Fields) -> dict[str, bool]:
             )
         opening["continue_final_message"] = True
     return opening
+
+
+def template_effort(effort: str | None, reads_effort: bool, field: str) -> dict[str, str]:
+    """The chat template's variables for OpenAI's reasoning effort: `reasoning_effort`, as
+    vLLM sets it (gpt-oss's template reads it), but "none" or null (the template's own
+    default); 400 naming `field` where the model's template reads none (an effort asked
+    is never dropped without a word)."""
+    if effort in (None, "none"):
+        return {}
+    if not reads_effort:
+        raise BadRequest(
+            f'"{field}" is not supported by this model: its chat template reads no '
+            'reasoning_effort (it takes only "none" or null)',
+            param=field,
+        )
+    return {"reasoning_effort": effort}
 
 
 def read_template_kwargs(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
@@ -978,7 +1002,8 @@ CHAT = Body(
         "modalities": unserved({"enum": [["text"], None]}, ["text"]),
         "audio": unserved({"type": "null"}),
         "prediction": unserved({"type": "null"}),
-        "reasoning_effort": unserved({"enum": ["none", None]}, "none"),
+        # set as the chat template's `reasoning_effort` where it reads one (gpt-oss's)
+        "reasoning_effort": one_of(REASONING_EFFORTS, "none"),
         "verbosity": unserved({"enum": ["medium", None]}, "medium"),
         "web_search_options": unserved({"type": "null"}),
         "moderation": unserved({"type": "null"}),
@@ -991,7 +1016,6 @@ CHAT_UNSERVED = (
     "modalities",
     "audio",
     "prediction",
-    "reasoning_effort",
     "verbosity",
     "web_search_options",
     "moderation",

@@ -19,7 +19,8 @@ text as a `reasoning_text` part (as vLLM sends an open model's raw thinking; no 
 the message's text the answer alone; whole or streamed (`response.reasoning_text.delta`
 events, then the message's). Thinking never closed (`max_output_tokens` reached inside it)
 is a reasoning item alone. A `reasoning` item sent back among the input goes to the
-template as the next assistant message's `reasoning_content`, as chat's does. Server
+template as the next assistant message's `reasoning_content`, as chat's does; a
+`reasoning.effort` is chat's `reasoning_effort` (the template's to read). Server
 process; plain Python.
 """
 
@@ -47,6 +48,7 @@ from rawserve.api.openai_generation import (
     METADATA,
     OPENAI_RESPONSE_FORMAT,
     PROMPT_CACHE,
+    REASONING_EFFORTS,
     SCHEMA_NAME_SCHEMA,
     GenerationRequest,
     check_schema_description,
@@ -54,6 +56,7 @@ from rawserve.api.openai_generation import (
     read_metadata,
     read_response_format,
     refuse_unserved,
+    template_effort,
     unserved,
     with_logprobs,
 )
@@ -75,19 +78,17 @@ FORMAT_KEYS = {
 
 
 def read_reasoning(name: str, value: Any, context: DocContext | None) -> Any:
-    """OpenAI's reasoning settings, at their off values only (no effort, no summary), as
-    chat's `reasoning_effort` takes "none": what a model thinks is its own template's
-    doing here."""
-    off = (None, "none")
+    """OpenAI's reasoning settings: an `effort` (chat's `reasoning_effort`, which the
+    model's template may read), no summary (what a model thinks is said as it is)."""
     if not isinstance(value, dict) or not (
         set(value) <= {"effort", "summary", "generate_summary"}
-        and value.get("effort") in off
+        and value.get("effort") in (None, *REASONING_EFFORTS)
         and value.get("summary") is None
         and value.get("generate_summary") is None
     ):
         raise BadRequest(
-            f'"{name}" is not supported by this server: it takes only null, or '
-            '{"effort": "none"} with no summary',
+            f'"{name}" is not supported by this server: it takes only null, or an '
+            f'"effort" ({", ".join(REASONING_EFFORTS)}) with no summary',
             param=name,
         )
     return value
@@ -252,8 +253,12 @@ SETTINGS = (
 ECHOED = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention")
 
 
-def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
-    """The chat a Responses body asks for, and the settings its answer says back."""
+def parse_response(
+    document: Any, reads_effort: bool = False
+) -> tuple[GenerationRequest, dict[str, Any]]:
+    """The chat a Responses body asks for, and the settings its answer says back
+    (`reads_effort`: the model's template reads a `reasoning_effort`, which
+    `reasoning.effort` sets)."""
     fields = RESPONSES.read(document)
     refuse_unserved(fields, UNSERVED)
     for name in BOOKKEEPING:  # checked, then dropped
@@ -275,7 +280,11 @@ def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
     form = fields.value("text")
     if form is not None:
         chat["response_format"] = form  # (the grammar, in the form chat takes too)
-    generation = replace(parse_chat(chat), max_tokens_field="max_output_tokens")
+    effort = (fields.value("reasoning") or {}).get("effort")
+    if template_effort(effort, reads_effort, "reasoning.effort"):
+        chat["reasoning_effort"] = effort
+    parsed = parse_chat(chat, reads_effort=reads_effort)
+    generation = replace(parsed, max_tokens_field="max_output_tokens")
     if generation.grammar_field == "response_format":  # a Responses body's is its "text"
         generation = replace(generation, grammar_field="text.format")
     if OUTPUT_LOGPROBS in (fields.value("include") or ()):  # (top_logprobs alone: none, as vLLM)

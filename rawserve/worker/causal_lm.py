@@ -387,6 +387,8 @@ class CausalLMRunner(Runner):
             "chat_drops_reasoning": REASONING_END in str(self.tokenizer.chat_template),
             # (so an answer calls one tool: a list of calls would be refused the next turn)
             "chat_one_call": ONE_CALL_AT_ONCE in str(self.tokenizer.chat_template),
+            # (so OpenAI's reasoning effort is set where the template reads it: gpt-oss's)
+            "chat_reads_reasoning_effort": "reasoning_effort" in str(self.tokenizer.chat_template),
             "thinking": self.thinking,
             "max_input_length": self.max_positions,
             # (so a chat's turns and tools are counted before it is queued)
