@@ -428,6 +428,8 @@ def test_reasoning_effort_is_set_in_a_template_that_reads_it(servers, more_serve
     said = {"model": TOOLS_MODEL, "input": MESSAGES, "max_output_tokens": 1}
     response = tools.responses.create(**said, reasoning={"effort": "high"})
     assert response.usage.input_tokens == high.usage.prompt_tokens
+    assert response.reasoning.effort == "high"  # (said back, as OpenAI's)
+    assert tools.responses.create(**said).reasoning.effort is None
     with pytest.raises(openai.BadRequestError) as raised:
         client(servers["chat"]).responses.create(
             model=CHAT_MODEL, input="hi", max_output_tokens=1, reasoning={"effort": "high"}

@@ -940,6 +940,33 @@ def test_a_responses_reasoning_setting_is_an_effort_and_no_summary(reasoning, ta
     assert refused.value.param == "reasoning"
 
 
+@pytest.mark.parametrize(
+    ("template", "reads"),
+    [
+        # gpt-oss's way: a default set where the request set none
+        ('{% if not reasoning_effort is defined %}{% set reasoning_effort = "medium" %}'
+         "{% endif %}Reasoning: {{ reasoning_effort }}", True),
+        ("{{ reasoning_effort | default('low') }}{{ messages }}", True),
+        ({"default": "{{ messages }}", "effort": "{{ reasoning_effort }}"}, True),
+        ("{# this template takes no reasoning_effort #}{{ messages }}", False),  # (said)
+        ("{{ default_reasoning_effort }}{{ messages }}", False),  # (a longer name)
+        ("{% macro m(reasoning_effort) %}{{ reasoning_effort }}{% endmacro %}{{ m(1) }}",
+         False),  # (a macro's own)
+        ("{% if reasoning_effort %}", False),  # (not Jinja: no chat renders)
+        (None, False),
+    ],
+)  # fmt: skip
+def test_a_template_reads_reasoning_effort_where_it_renders_it(template, reads):
+    """What the worker tells the server: a word in a comment or a longer name let an
+    effort through to a template that never rendered it (a 200 that dropped it)."""
+    from types import SimpleNamespace
+
+    from rawserve.worker.chat_rendering import template_reads
+
+    tokenizer = SimpleNamespace(chat_template=template)
+    assert template_reads(tokenizer, "reasoning_effort") is reads
+
+
 @pytest.mark.parametrize("reads_effort", [True, False])
 def test_openais_reasoning_effort_is_the_templates_where_it_reads_one(reads_effort):
     """Chat's `reasoning_effort` and a Response's `reasoning.effort` set the template's

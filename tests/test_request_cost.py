@@ -313,6 +313,24 @@ def test_an_echo_with_logprobs_over_the_bound_is_refused_before_the_work(tokeniz
         assert status != 413, body
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "document"),
+    [
+        ("/v1/chat/completions", {"messages": HI, "reasoning_effort": "high"}),
+        ("/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}}),
+    ],
+)
+def test_a_model_with_no_chat_template_says_so_before_an_effort_is_refused(path, document):
+    """An effort is the template's to read: a model with none was told its template
+    reads no reasoning_effort, and once the effort was dropped, that it has none."""
+    app = app_for("text-generation", "{}", {})
+    status, body = post(app, path, document)
+    assert status == 400 and "has no chat template" in body["error"]["message"], body
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_responses_logprobs_over_the_bound_are_refused_before_the_work(tokenizer_json, stream):
     """A Response's stream ends with events that each list every token (its text's end,

@@ -402,6 +402,7 @@ class OpenAIRoutes:
         return handler
 
     async def chat(self, request: HttpRequest, model: ServedModel, document: Any) -> HttpResponse:
+        check_chat_template(model)  # (before its fields: an effort is the template's)
         loaded = model.serving.loaded
         details = loaded.details if loaded else {}
         generation = parse_chat(
@@ -411,17 +412,16 @@ class OpenAIRoutes:
         )
         if self.context.settings.thinking_in_content:  # (an answer held from its first token)
             generation.params[THINKING_IN_CONTENT] = True
-        check_chat_template(model)
         return await self.generate(request, model, generation, chat=True)
 
     async def respond(
         self, request: HttpRequest, model: ServedModel, document: Any
     ) -> HttpResponse:
         """A Response: its input is a chat, answered in the Responses API's shape."""
+        check_chat_template(model)  # (before its fields: an effort is the template's)
         loaded = model.serving.loaded
         reads_effort = bool(loaded and loaded.details.get("chat_reads_reasoning_effort"))
         generation, settings = parse_response(document, reads_effort)
-        check_chat_template(model)
         settings = sampled_with(settings, loaded.details.get("sampling") if loaded else None)
         # a reasoning model's thinking, a reasoning item (but where the operator keeps it
         # in the answer's text: then a format holds the answer from its first token)

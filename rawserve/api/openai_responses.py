@@ -94,6 +94,7 @@ def read_reasoning(name: str, value: Any, context: DocContext | None) -> Any:
     return value
 
 
+NO_REASONING = {"effort": None, "summary": None}  # a Response's reasoning, unasked
 # what `include` may ask for: the answer's tokens' log probabilities (the others need
 # stored responses, tools or images)
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
@@ -195,7 +196,18 @@ RESPONSES = Body(
         "include": Field(
             {"type": ["array", "null"], "items": {"enum": [OUTPUT_LOGPROBS]}}, read_include
         ),
-        "reasoning": Field({"type": ["object", "null"]}, read_reasoning),
+        "reasoning": Field(
+            {
+                "type": ["object", "null"],
+                "properties": {
+                    "effort": {"enum": [*REASONING_EFFORTS, None]},
+                    "summary": {"type": "null"},
+                    "generate_summary": {"type": "null"},
+                },
+                "additionalProperties": False,
+            },
+            read_reasoning,
+        ),
         "prompt": unserved({"type": "null"}),
         "truncation": unserved({"enum": ["disabled", None]}, "disabled"),
         "service_tier": unserved({"enum": ["auto", "default", None]}, "auto", "default"),
@@ -295,6 +307,7 @@ def parse_response(
     settings["text"] = {"format": (fields.get("text") or {}).get("format")}
     # as asked (OpenAI's default "auto"): with no tools, either says the same
     settings["tool_choice"] = fields.get("tool_choice") or "auto"
+    settings["reasoning"] = {**NO_REASONING, "effort": effort}  # (said back, as OpenAI's)
     return generation, settings
 
 
@@ -357,6 +370,7 @@ class ResponseAnswer:
             "model": self.model,
             "output": output,
             "tool_choice": self.settings.get("tool_choice", "auto"),
+            "reasoning": self.settings.get("reasoning", NO_REASONING),
             "tools": [],
             "store": False,
             "previous_response_id": None,

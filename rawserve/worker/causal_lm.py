@@ -42,7 +42,12 @@ from rawserve.tasks.text_generation import (
 )
 from rawserve.worker.beam_search import BEAMS_REFUSE_GRAMMARS, BeamStops, beam_count, replay
 from rawserve.worker.chat_controls import can_sanitize
-from rawserve.worker.chat_rendering import ChatRenderer, check_template, template_fault
+from rawserve.worker.chat_rendering import (
+    ChatRenderer,
+    check_template,
+    template_fault,
+    template_reads,
+)
 from rawserve.worker.continuous import (
     Generation,
     cache_keyword,
@@ -388,7 +393,7 @@ class CausalLMRunner(Runner):
             # (so an answer calls one tool: a list of calls would be refused the next turn)
             "chat_one_call": ONE_CALL_AT_ONCE in str(self.tokenizer.chat_template),
             # (so OpenAI's reasoning effort is set where the template reads it: gpt-oss's)
-            "chat_reads_reasoning_effort": "reasoning_effort" in str(self.tokenizer.chat_template),
+            "chat_reads_reasoning_effort": template_reads(self.tokenizer, "reasoning_effort"),
             "thinking": self.thinking,
             "max_input_length": self.max_positions,
             # (so a chat's turns and tools are counted before it is queued)

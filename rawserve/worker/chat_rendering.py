@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 import jinja2
+import jinja2.meta
 
 from rawserve.tasks.text_generation import CHAT_TEMPLATE_REFUSED
 from rawserve.worker.chat_controls import (
@@ -75,6 +76,26 @@ def template_fault(tokenizer: Any) -> str:
     except Exception:  # noqa: BLE001 - a chat's own failure, not the template's
         pass
     return ""
+
+
+def template_reads(tokenizer: Any, name: str) -> bool:
+    """Whether the tokenizer's chat template (each of its named ones) reads the variable
+    `name` where it is rendered: not where a comment or a longer name says it, nor a
+    template that does not parse."""
+    templates = tokenizer.chat_template
+    if isinstance(templates, dict):
+        templates = list(templates.values())
+    environment = jinja2.Environment()
+    for template in templates if isinstance(templates, list) else [templates]:
+        if not isinstance(template, str):
+            continue
+        try:
+            parsed = environment.parse(template)
+        except jinja2.TemplateSyntaxError:
+            continue
+        if name in jinja2.meta.find_undeclared_variables(parsed):
+            return True
+    return False
 
 
 def check_template(tokenizer: Any) -> None:
