@@ -947,7 +947,9 @@ def test_a_responses_reasoning_setting_is_an_effort_and_no_summary(reasoning, ta
         ('{% if not reasoning_effort is defined %}{% set reasoning_effort = "medium" %}'
          "{% endif %}Reasoning: {{ reasoning_effort }}", True),
         ("{{ reasoning_effort | default('low') }}{{ messages }}", True),
-        ({"default": "{{ messages }}", "effort": "{{ reasoning_effort }}"}, True),
+        ({"default": "{{ reasoning_effort }}", "tool_use": "{{ reasoning_effort }}"}, True),
+        # (a chat without tools renders with "default", which would drop it)
+        ({"default": "{{ messages }}", "tool_use": "{{ reasoning_effort }}"}, False),
         ("{# this template takes no reasoning_effort #}{{ messages }}", False),  # (said)
         ("{{ default_reasoning_effort }}{{ messages }}", False),  # (a longer name)
         ("{% macro m(reasoning_effort) %}{{ reasoning_effort }}{% endmacro %}{{ m(1) }}",

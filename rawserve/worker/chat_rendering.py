@@ -79,23 +79,27 @@ def template_fault(tokenizer: Any) -> str:
 
 
 def template_reads(tokenizer: Any, name: str) -> bool:
-    """Whether the tokenizer's chat template (each of its named ones) reads the variable
-    `name` where it is rendered: not where a comment or a longer name says it, nor a
-    template that does not parse."""
+    """Whether the tokenizer's chat template reads the variable `name` where it is
+    rendered (not where a comment or a longer name says it): of several named ones, each,
+    as a chat may be rendered with any (one with tools, with "tool_use"); none that does
+    not parse."""
     templates = tokenizer.chat_template
     if isinstance(templates, dict):
         templates = list(templates.values())
+    if not isinstance(templates, list):
+        templates = [templates]
     environment = jinja2.Environment()
-    for template in templates if isinstance(templates, list) else [templates]:
+
+    def reads(template: Any) -> bool:
         if not isinstance(template, str):
-            continue
+            return False
         try:
             parsed = environment.parse(template)
         except jinja2.TemplateSyntaxError:
-            continue
-        if name in jinja2.meta.find_undeclared_variables(parsed):
-            return True
-    return False
+            return False
+        return name in jinja2.meta.find_undeclared_variables(parsed)
+
+    return bool(templates) and all(reads(template) for template in templates)
 
 
 def check_template(tokenizer: Any) -> None:
