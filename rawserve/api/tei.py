@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from rawserve import __version__
-from rawserve.api import schemas
+from rawserve.api import schemas, vllm_tokens
 from rawserve.api.bodies import answer, built_answer, json_response, read_json, vector_entries
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Fields, names_after
@@ -145,12 +145,20 @@ class TeiRoutes:
                 ))
                 for path in RERANK_DOCUMENTS_PATHS
             ),
-            post("/tokenize", self.tokenize, TOKENIZER, replace(described(
-                "Tokens and their offsets", TOKENIZE, schemas.TEI_TOKENIZE_RESPONSE),
+            post("/tokenize", self.tokenize, TOKENIZER, Operation(
+                "Tokens and their offsets (TEI), or a prompt's ids (vLLM: a body with "
+                "`prompt`)", TAG,
+                lambda context: {"anyOf": [
+                    TOKENIZE.schema(context), vllm_tokens.TOKENIZE.schema(context)]},
+                lambda _: {"anyOf": [
+                    schemas.TEI_TOKENIZE_RESPONSE, vllm_tokens.TOKENIZE_RESPONSE]},
                 errors=TOKENIZER_ERRORS)),
             post("/decode", self.decode, TOKENIZER, replace(described(
                 "Token ids to text", DECODE, schemas.TEI_DECODE_RESPONSE),
                 errors=TOKENIZER_ERRORS)),
+            post("/detokenize", self.detokenize, TOKENIZER, Operation(
+                "Token ids to text (vLLM)", TAG, vllm_tokens.DETOKENIZE.schema,
+                lambda _: vllm_tokens.DETOKENIZE_RESPONSE, errors=TOKENIZER_ERRORS)),
         ]  # fmt: skip
 
     def within(self, model: ServedModel) -> DocContext:
@@ -386,8 +394,12 @@ class TeiRoutes:
     # --- the tokenizer ----------------------------------------------------------------
 
     async def tokenize(self, request: HttpRequest) -> HttpResponse:
-        """Each input's tokens: id, text, whether special, and byte offsets."""
-        fields = TOKENIZE.read(read_json(request))
+        """Each input's tokens: id, text, whether special, and byte offsets (TEI's); or a
+        prompt's ids (vLLM's body: `vllm_tokens`)."""
+        document = read_json(request)
+        if vllm_tokens.is_vllms(document):
+            return await self.vllm_tokenize(document)
+        fields = TOKENIZE.read(document)
         model = self.context.model_for(fields.get("model"), TOKENIZER)
         texts = self.texts(fields, model)
         cut = truncation(fields)
@@ -435,6 +447,23 @@ class TeiRoutes:
             # --max-body-bytes let 32 lists of 250,000 ids make a 48 MB answer)
             raise PayloadTooLarge(str(AnswerTooLarge(self.settings.max_answer_bytes)))
         return response
+
+    async def vllm_tokenize(self, document: Any) -> HttpResponse:
+        """vLLM's /tokenize: a prompt's token ids, and the model's length."""
+        model = self.context.model_for(vllm_tokens.TOKENIZE.read(document).get("model"), TOKENIZER)
+        tokenizer = await self.tokenizer(model)
+        largest = self.settings.max_answer_bytes
+        length = model.positions or input_limit(model)  # (0: the model names none)
+        return await vllm_tokens.tokenized(tokenizer, document, length, largest)
+
+    async def detokenize(self, request: HttpRequest) -> HttpResponse:
+        """vLLM's /detokenize: token ids as text."""
+        document = read_json(request)
+        model = self.context.model_for(
+            vllm_tokens.DETOKENIZE.read(document).get("model"), TOKENIZER
+        )
+        tokenizer = await self.tokenizer(model)
+        return await vllm_tokens.detokenized(tokenizer, document, self.settings.max_answer_bytes)
 
     async def tokenizer(self, model: ServedModel) -> ServerTokenizer:
         """The model's tokenizer in this process (the route's TOKENIZER need checked it has one)."""
