@@ -44,6 +44,9 @@ def test_a_prompts_ids_are_the_tokenizers_with_the_models_length(app, library):
     assert bare["count"] == len(expected.ids) - 2  # ([CLS] and [SEP] left out)
     status, named = post(app, "/tokenize", {"prompt": "hello world", "return_token_strs": True})
     assert named["token_strs"] == expected.tokens and named["tokens"] == expected.ids
+    # (an `inputs` of null is none, as every field's)
+    status, nulled = post(app, "/tokenize", {"prompt": "hello world", "inputs": None})
+    assert status == 200 and nulled["tokens"] == expected.ids, nulled
     # TEI's body on the same path keeps TEI's answer
     status, tei = post(app, "/tokenize", {"inputs": "hello world"})
     assert status == 200 and [token["id"] for token in tei[0]] == expected.ids

@@ -174,7 +174,9 @@ class ServerTokenizer:
         """`text`'s encoding within `bound`, and the character where the encoded part
         starts (0 unless the start was cut). Never encodes much more than it keeps."""
         start, end = self._span(text, add_special, bound)
-        encoding = self.tokenizer.encode(text[start:end], add_special_tokens=False)
+        # (a batch of one: the library lets go of the GIL as it encodes a batch, where its
+        # encode of one text holds it: a 1 MB prompt stalled the event loop 0.46 s)
+        [encoding] = self.tokenizer.encode_batch([text[start:end]], add_special_tokens=False)
         return self._finished(encoding, add_special, bound), start
 
     def _budget(self, add_special: bool, bound: TokenBound) -> int:

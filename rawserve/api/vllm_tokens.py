@@ -91,7 +91,7 @@ def is_vllms(document: Any) -> bool:
     """Whether a `/tokenize` body is vLLM's (`prompt` or `messages`, no TEI `inputs`)."""
     return (
         isinstance(document, dict)
-        and "inputs" not in document
+        and document.get("inputs") is None  # (null, as every field's, is none)
         and ("prompt" in document or "messages" in document)
     )
 
