@@ -62,7 +62,7 @@ TOKENIZE = Body(
 DETOKENIZE = Body(
     {
         "tokens": Field(
-            {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}},
             read_token_ids,
             reads_null=True,
             required=True,
