@@ -31,7 +31,7 @@ import numpy as np
 
 from rawserve import __version__
 from rawserve.api import schemas, vllm_tokens
-from rawserve.api.bodies import answer, built_answer, json_response, read_json, vector_entries
+from rawserve.api.bodies import answer, built_answer, read_json, vector_entries
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Fields, names_after
 from rawserve.api.outcomes import unwrap_all
@@ -69,6 +69,7 @@ from rawserve.api.tokens import (
     TokenBound,
     TooManyTokens,
     UnknownTokenId,
+    answer_within,
 )
 from rawserve.http.errors import BadRequest, InternalError, PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
@@ -442,28 +443,25 @@ class TeiRoutes:
             texts = await tokenizer.decode(id_lists, fields.value("skip_special_tokens"))
         except UnknownTokenId as exc:
             raise UnprocessableInput(str(exc)) from None
-        response = json_response(200, texts)
-        if len(response.body) > self.settings.max_answer_bytes:  # as /tokenize's (a larger
-            # --max-body-bytes let 32 lists of 250,000 ids make a 48 MB answer)
-            raise PayloadTooLarge(str(AnswerTooLarge(self.settings.max_answer_bytes)))
-        return response
+        # (bounded as /tokenize's: a larger --max-body-bytes let 32 lists of 250,000 ids
+        # make a 48 MB answer)
+        return answer_within(texts, self.settings.max_answer_bytes)
 
     async def vllm_tokenize(self, document: Any) -> HttpResponse:
         """vLLM's /tokenize: a prompt's token ids, and the model's length."""
-        model = self.context.model_for(vllm_tokens.TOKENIZE.read(document).get("model"), TOKENIZER)
+        fields = vllm_tokens.TOKENIZE.read(document)
+        model = self.context.model_for(fields.get("model"), TOKENIZER)
         tokenizer = await self.tokenizer(model)
         largest = self.settings.max_answer_bytes
         length = model.positions or input_limit(model)  # (0: the model names none)
-        return await vllm_tokens.tokenized(tokenizer, document, length, largest)
+        return await vllm_tokens.tokenized(tokenizer, fields, length, largest)
 
     async def detokenize(self, request: HttpRequest) -> HttpResponse:
         """vLLM's /detokenize: token ids as text."""
-        document = read_json(request)
-        model = self.context.model_for(
-            vllm_tokens.DETOKENIZE.read(document).get("model"), TOKENIZER
-        )
+        fields = vllm_tokens.DETOKENIZE.read(read_json(request))
+        model = self.context.model_for(fields.get("model"), TOKENIZER)
         tokenizer = await self.tokenizer(model)
-        return await vllm_tokens.detokenized(tokenizer, document, self.settings.max_answer_bytes)
+        return await vllm_tokens.detokenized(tokenizer, fields, self.settings.max_answer_bytes)
 
     async def tokenizer(self, model: ServedModel) -> ServerTokenizer:
         """The model's tokenizer in this process (the route's TOKENIZER need checked it has one)."""

@@ -30,6 +30,8 @@ import tokenizers
 
 from rawserve.api.served import ServedModel
 from rawserve.http.encoding import dumps
+from rawserve.http.errors import PayloadTooLarge
+from rawserve.http.exchange import HttpResponse
 from rawserve.shared.memory import give_back_free_memory
 from rawserve.tasks.windows import COUNT_MARGIN, PIECE_CHARS, count_past, span_past
 
@@ -67,6 +69,15 @@ class AnswerTooLarge(ValueError):
             f"hold: {remedy}"
         )
         self.limit = limit
+
+
+def answer_within(document: Any, largest: int) -> HttpResponse:
+    """200 with `document` as JSON, or 413 where that is over `largest` bytes (an answer
+    of the tokenizer's, whose size is known once it is made)."""
+    body = dumps(document)
+    if len(body) > largest:
+        raise PayloadTooLarge(str(AnswerTooLarge(largest)))
+    return HttpResponse(200, body, [])
 
 
 def size_text(size: int) -> str:

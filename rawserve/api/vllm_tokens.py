@@ -15,19 +15,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rawserve.api.bodies import json_response
-from rawserve.api.fields import Body, Field, flag, read_string
+from rawserve.api.fields import Body, Field, Fields, flag, read_string
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.tei_bodies import MAX_TOKEN_ID
 from rawserve.api.tokens import (
     INLINE_LIMIT,
-    AnswerTooLarge,
     ServerTokenizer,
     TokenBound,
     TooManyTokens,
     UnknownTokenId,
+    answer_within,
 )
-from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
+from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpResponse
 
 # the most tokens one prompt lists (as TEI's /tokenize lists one text whole)
@@ -97,11 +96,10 @@ def is_vllms(document: Any) -> bool:
 
 
 async def tokenized(
-    tokenizer: ServerTokenizer, document: Any, max_model_len: int, largest: int
+    tokenizer: ServerTokenizer, fields: Fields, max_model_len: int, largest: int
 ) -> HttpResponse:
-    """vLLM's /tokenize answer to `document` (read as `TOKENIZE`): a long prompt encoded
-    on a thread (the event loop serves others meanwhile)."""
-    fields = TOKENIZE.read(document)
+    """vLLM's /tokenize answer to a `TOKENIZE` body: a long prompt encoded on a thread
+    (the event loop serves others meanwhile)."""
     fields.value("messages")
     prompt = fields.value("prompt")
     special = fields.value("add_special_tokens")
@@ -118,21 +116,13 @@ async def tokenized(
     ids = list(encoding.ids)
     strings = list(encoding.tokens) if fields.value("return_token_strs") else None
     body = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
-    return checked(json_response(200, {**body, "token_strs": strings}), largest)
+    return answer_within({**body, "token_strs": strings}, largest)
 
 
-async def detokenized(tokenizer: ServerTokenizer, document: Any, largest: int) -> HttpResponse:
-    """vLLM's /detokenize answer to `document` (read as `DETOKENIZE`)."""
-    fields = DETOKENIZE.read(document)
+async def detokenized(tokenizer: ServerTokenizer, fields: Fields, largest: int) -> HttpResponse:
+    """vLLM's /detokenize answer to a `DETOKENIZE` body."""
     try:
         [text] = await tokenizer.decode([fields.value("tokens")], skip_special=False)
     except UnknownTokenId as exc:
         raise UnprocessableInput(str(exc)) from None
-    return checked(json_response(200, {"prompt": text}), largest)
-
-
-def checked(response: HttpResponse, largest: int) -> HttpResponse:
-    """`response`, or 413 where it is over `largest` bytes (as TEI's /decode's)."""
-    if len(response.body) > largest:
-        raise PayloadTooLarge(str(AnswerTooLarge(largest)))
-    return response
+    return answer_within({"prompt": text}, largest)

@@ -922,11 +922,8 @@ class CausalLMRunner(Runner):
             keep_tokens=keep_tokens,
             top_n=int(params.get("top_n_tokens") or 0),
         )
-        processors = self._marking(params, kwargs)
-        adjustments = ScoreAdjustments.asked(params, self.vocabulary)
-        if adjustments is not None:  # before the recorder: the log probabilities follow them
-            width = encoded["input_ids"].shape[1]
-            processors.append(Adjuster(adjustments, width, encoded.get("attention_mask")))
+        # (before the recorder: the log probabilities follow them)
+        processors = self._score_changes(params, kwargs, encoded)
         if params.get("grammar"):
             held = [
                 self.held_to(params, row, chat) or params["grammar"]
@@ -940,17 +937,25 @@ class CausalLMRunner(Runner):
         watcher.let_out_the_rest()
         return watcher
 
-    def _marking(self, params: dict[str, Any], kwargs: dict[str, Any]) -> list[Any]:
-        """The first of `generate`'s own logits processors for `params`: TGI's watermark,
-        then the repetition penalty, in TGI's order (generate's own penalty, which runs
-        before any processor it is handed, is then turned off in `kwargs`, in place)."""
-        if not params.get("watermark"):
-            return []
-        penalty = kwargs.get("repetition_penalty", self.model.generation_config.repetition_penalty)
-        kwargs["repetition_penalty"] = 1.0
-        processors: list[Any] = [Watermarker()]
-        if penalty not in (None, 1.0):
-            processors.append(transformers.RepetitionPenaltyLogitsProcessor(penalty))
+    def _score_changes(
+        self, params: dict[str, Any], kwargs: dict[str, Any], encoded: dict[str, Any]
+    ) -> list[Any]:
+        """The logits processors that change `generate`'s scores for `params`, in TGI's
+        order: TGI's watermark, then the repetition penalty (generate's own, which runs
+        before any processor it is handed, is then turned off in `kwargs`, in place),
+        then OpenAI's bias and penalties and TGI's frequency penalty (`Adjuster`)."""
+        processors: list[Any] = []
+        if params.get("watermark"):
+            config = self.model.generation_config
+            penalty = kwargs.get("repetition_penalty", config.repetition_penalty)
+            kwargs["repetition_penalty"] = 1.0
+            processors.append(Watermarker())
+            if penalty not in (None, 1.0):
+                processors.append(transformers.RepetitionPenaltyLogitsProcessor(penalty))
+        adjustments = ScoreAdjustments.asked(params, self.vocabulary)
+        if adjustments is not None:
+            width = encoded["input_ids"].shape[1]
+            processors.append(Adjuster(adjustments, width, encoded.get("attention_mask")))
         return processors
 
     def _watcher(
@@ -1029,10 +1034,7 @@ class CausalLMRunner(Runner):
             cancelled=cancelled,
             keep_tokens=listed,
         )
-        processors = self._marking(params, kwargs)
-        adjustments = ScoreAdjustments.asked(params, self.vocabulary)
-        if adjustments is not None:
-            processors.append(Adjuster(adjustments, width, encoded.get("attention_mask")))
+        processors = self._score_changes(params, kwargs, encoded)
         stops = BeamStops(
             self.tokenizer,
             prompt_width=width,
