@@ -2732,7 +2732,7 @@ def test_a_models_own_chat_template_that_is_not_jinja_is_set_aside_at_load(
 
     import torch
 
-    from rawserve.api.openai import check_chat_template
+    from rawserve.api.openai_generation import check_chat_template
     from rawserve.http.errors import BadRequest
     from rawserve.worker.causal_lm import CausalLMRunner
 

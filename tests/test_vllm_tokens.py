@@ -62,7 +62,8 @@ def test_detokenize_gives_the_ids_text_special_tokens_kept(app, library):
 @pytest.mark.parametrize(
     ("path", "document", "status", "said"),
     [
-        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, 400, '"messages"'),
+        # (a chat's form is for a text-generation model: tests/test_chat_tokens.py)
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, 404, "text-generation"),
         ("/tokenize", {"prompt": 5}, 400, '"prompt" must be a string'),
         ("/tokenize", {"prompt": None}, 400, '"prompt" must be a string'),
         ("/tokenize", {"prompt": "a " * (MAX_PROMPT_TOKENS + 10)}, 422, "the most /tokenize"),

@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import functools
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -38,13 +37,16 @@ from rawserve.api.inference import MODELS_PREFIX
 from rawserve.api.openai_answers import Answer, Echo
 from rawserve.api.openai_generation import (
     CHAT,
+    CHAT_GENERATION,
     COMPLETION,
+    GENERATION,
     GenerationRequest,
+    check_chat_template,
     check_choices,
     check_max_tokens,
     check_token_ids,
-    parse_chat,
     parse_completion,
+    parse_model_chat,
     prompt_schema,
     read_prompts,
     refuse_unknown_ids,
@@ -98,9 +100,6 @@ from rawserve.tasks.text_generation import (
     stops_after,
 )
 
-GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
-# chat's and the Responses API's: a model with a chat template first
-CHAT_GENERATION = replace(GENERATION, chat=True)
 TAG = "OpenAI"
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error object
 # GET /v1/models/<name>: one of the served models, by any name (a Hub id holds a "/")
@@ -402,14 +401,7 @@ class OpenAIRoutes:
         return handler
 
     async def chat(self, request: HttpRequest, model: ServedModel, document: Any) -> HttpResponse:
-        check_chat_template(model)  # (before its fields: an effort is the template's)
-        loaded = model.serving.loaded
-        details = loaded.details if loaded else {}
-        generation = parse_chat(
-            document,
-            bool(details.get("chat_one_call")),
-            bool(details.get("chat_reads_reasoning_effort")),
-        )
+        generation = parse_model_chat(model, document)
         if self.context.settings.thinking_in_content:  # (an answer held from its first token)
             generation.params[THINKING_IN_CONTENT] = True
         return await self.generate(request, model, generation, chat=True)
@@ -583,18 +575,3 @@ class OpenAIRoutes:
 
 # what a refusal of a prompt past the positions says, the server's and the worker's
 CONTEXT_LENGTH = "longer than the model's context length"
-
-
-def check_chat_template(model: ServedModel) -> None:
-    """400 where the model has no chat template to render messages with."""
-    loaded = model.serving.loaded
-    if loaded is not None and loaded.details.get("chat_template_invalid"):
-        raise BadRequest(
-            "this model's own chat template is not valid Jinja (the server's log says "
-            "where): start the server with --chat-template FILE, or use /v1/completions"
-        )
-    if loaded is not None and not loaded.details.get("chat_template"):
-        raise BadRequest(
-            "this model's tokenizer has no chat template: start the server with "
-            "--chat-template FILE (a Jinja template), or use /v1/completions"
-        )

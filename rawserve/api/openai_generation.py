@@ -57,7 +57,8 @@ from rawserve.api.openai_tools import (
     read_tool_choice,
     read_tools,
 )
-from rawserve.api.routing import DocContext, Schema
+from rawserve.api.routing import DocContext, Needs, Schema
+from rawserve.api.served import ServedModel
 from rawserve.http.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -145,6 +146,11 @@ class GenerationRequest:
             return [params] * self.generations
         seed = params["seed"]
         return [{**params, "seed": (seed + j) % SEEDS} for j in range(self.generations)]
+
+
+GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
+# chat's and the Responses API's: a model with a chat template first
+CHAT_GENERATION = replace(GENERATION, chat=True)
 
 
 def unserved(schema: Schema, *allowed: Any) -> Field:
@@ -552,6 +558,34 @@ def parse_chat(
     if top is not None:
         raise BadRequest('"top_logprobs" needs "logprobs": true', param="top_logprobs")
     return request
+
+
+def parse_model_chat(model: ServedModel, document: Any) -> GenerationRequest:
+    """A chat request to `model` (`parse_chat`), read as its chat template takes it (400
+    first where it has none)."""
+    check_chat_template(model)  # (before its fields: an effort is the template's)
+    loaded = model.serving.loaded
+    details = loaded.details if loaded else {}
+    return parse_chat(
+        document,
+        bool(details.get("chat_one_call")),
+        bool(details.get("chat_reads_reasoning_effort")),
+    )
+
+
+def check_chat_template(model: ServedModel) -> None:
+    """400 where the model has no chat template to render messages with."""
+    loaded = model.serving.loaded
+    if loaded is not None and loaded.details.get("chat_template_invalid"):
+        raise BadRequest(
+            "this model's own chat template is not valid Jinja (the server's log says "
+            "where): start the server with --chat-template FILE, or use /v1/completions"
+        )
+    if loaded is not None and not loaded.details.get("chat_template"):
+        raise BadRequest(
+            "this model's tokenizer has no chat template: start the server with "
+            "--chat-template FILE (a Jinja template), or use /v1/completions"
+        )
 
 
 def json_unstopped(request: GenerationRequest) -> GenerationRequest:

@@ -32,7 +32,7 @@ class Needs:
     sparse: bool | None = None
     # a chat template (the tokenizer's or --chat-template): a body that names no model is
     # given one with a template over one without (named, one without is told how to give
-    # it one: rawserve.api.openai.check_chat_template)
+    # it one: rawserve.api.openai_generation.check_chat_template)
     chat: bool = False
     # a worker ready; else the server's own copy of the tokenizer is enough (/tokenize and
     # /decode answer while a worker restarts: the tokenizer came with the first load)

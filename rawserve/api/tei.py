@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from rawserve import __version__
-from rawserve.api import schemas, vllm_tokens
+from rawserve.api import chat_tokens, schemas, vllm_tokens
 from rawserve.api.bodies import answer, built_answer, read_json, vector_entries
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Fields, names_after
@@ -148,12 +148,13 @@ class TeiRoutes:
             ),
             post("/tokenize", self.tokenize, TOKENIZER, Operation(
                 "Tokens and their offsets (TEI), or a prompt's ids (vLLM: a body with "
-                "`prompt`)", TAG,
+                "`prompt`, or a chat's with `messages`)", TAG,
                 lambda context: {"anyOf": [
-                    TOKENIZE.schema(context), vllm_tokens.TOKENIZE.schema(context)]},
+                    TOKENIZE.schema(context), vllm_tokens.TOKENIZE.schema(context),
+                    chat_tokens.TOKENIZE_CHAT.schema(context)]},
                 lambda _: {"anyOf": [
                     schemas.TEI_TOKENIZE_RESPONSE, vllm_tokens.TOKENIZE_RESPONSE]},
-                errors=TOKENIZER_ERRORS)),
+                errors=(*TOKENIZER_ERRORS, 504))),
             post("/decode", self.decode, TOKENIZER, replace(described(
                 "Token ids to text", DECODE, schemas.TEI_DECODE_RESPONSE),
                 errors=TOKENIZER_ERRORS)),
@@ -399,6 +400,8 @@ class TeiRoutes:
         prompt's ids (vLLM's body: `vllm_tokens`)."""
         document = read_json(request)
         if vllm_tokens.is_vllms(document):
+            if document.get("messages") is not None:
+                return await self.vllm_chat_tokenize(request, document)
             return await self.vllm_tokenize(document)
         fields = TOKENIZE.read(document)
         model = self.context.model_for(fields.get("model"), TOKENIZER)
@@ -455,6 +458,22 @@ class TeiRoutes:
         largest = self.settings.max_answer_bytes
         length = model.positions or input_limit(model)  # (0: the model names none)
         return await vllm_tokens.tokenized(tokenizer, fields, length, largest)
+
+    async def vllm_chat_tokenize(self, request: HttpRequest, document: Any) -> HttpResponse:
+        """vLLM's /tokenize of a chat: its ids as the model's worker renders it."""
+        if document.get("prompt") is not None:
+            raise BadRequest('send "prompt" or "messages", not both')
+        name = document.get("model")
+        model = self.context.model_for(name, chat_tokens.CHAT_TOKENIZER, queued_for=request)
+        tokenizer = await self.tokenizer(model)
+        return await chat_tokens.vllm_chat_tokenized(
+            model,
+            tokenizer,
+            document,
+            self.context.deadline(request),
+            model.positions or input_limit(model),
+            self.settings.max_answer_bytes,
+        )
 
     async def detokenize(self, request: HttpRequest) -> HttpResponse:
         """vLLM's /detokenize: token ids as text."""

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.api import schemas
+from rawserve.api import chat_tokens, schemas
 from rawserve.api.best_of import asked_copies, best_of_each, repeated, run_copies
 from rawserve.api.bodies import built_answer, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import MODEL
 from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
-from rawserve.api.openai import GENERATION
+from rawserve.api.openai_generation import CHAT, GENERATION
 from rawserve.api.prompts import check_details_size, check_tgi_lengths
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Operation, Route, Schema
 from rawserve.api.served import ServedModel
@@ -48,6 +48,7 @@ TAG = "TGI"
 TASK = "text-generation"
 GENERATE = "/generate"
 GENERATE_STREAM = "/generate_stream"
+CHAT_TOKENIZE = "/chat_tokenize"
 PATHS = frozenset({GENERATE, GENERATE_STREAM})
 TOKEN: Schema = {
     "type": "object",
@@ -171,8 +172,23 @@ class TgiRoutes:
             errors=(*MODEL_ERRORS, 422),
             events=schemas.generation_events,
         )
+        chat_tokenize = Operation(
+            "A chat's text as its template writes it, and that text's tokens (TGI)",
+            TAG,
+            CHAT.schema,
+            lambda _: chat_tokens.CHAT_TOKENIZE_RESPONSE,
+            errors=(*MODEL_ERRORS, 422),
+        )
         return [
             Route("POST", GENERATE, self.generate, generate, GENERATION, queued=True),
+            Route(
+                "POST",
+                CHAT_TOKENIZE,
+                self.chat_tokenize,
+                chat_tokenize,
+                chat_tokens.CHAT_TOKENIZER,
+                queued=True,
+            ),
             Route(
                 "POST",
                 GENERATE_STREAM,
@@ -208,6 +224,16 @@ class TgiRoutes:
         return await open_token_stream(
             model, parsed.inputs[0], parsed.params, deadline, keepalive, request.request_id
         )
+
+    async def chat_tokenize(self, request: HttpRequest) -> HttpResponse:
+        document = read_json(request)
+        name = document.get("model") if isinstance(document, dict) else None
+        model = self.context.model_for(name, chat_tokens.CHAT_TOKENIZER, queued_for=request)
+        tokenizer = await self.context.tokenizers.get(model)
+        assert tokenizer is not None  # (the route's need: a tokenizer in the server)
+        deadline = self.context.deadline(request)
+        largest = self.context.settings.max_answer_bytes
+        return await chat_tokens.tgi_chat_tokenized(model, tokenizer, document, deadline, largest)
 
     async def parse(self, request: HttpRequest) -> tuple[ServedModel, ParsedRequest]:
         """The generation model, and the body's prompt and checked parameters; a prompt

@@ -220,6 +220,10 @@ class ServerTokenizer:
             encoding.truncate(budget, direction=bound.direction)
         return self.finisher.post_process(encoding, add_special_tokens=add_special)
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it ("Ġworld"), as vLLM's `token_strs`."""
+        return [self.tokenizer.id_to_token(token_id) or "" for token_id in ids]
+
     async def decode(self, id_lists: Sequence[Sequence[int]], skip_special: bool) -> list[str]:
         """Each list of ids as text; UnknownTokenId for an id outside the vocabulary."""
         for ids in id_lists:

@@ -4,8 +4,8 @@ with them.
 
 `POST /tokenize` is TEI's too: a body with `prompt` and no `inputs` is vLLM's, answered
 `{"count", "max_model_len", "tokens", "token_strs"}` (the ids; `token_strs`, each
-token's string, where `return_token_strs` asks). vLLM's chat form (`messages`) needs the
-chat template, which only the worker renders: 400 naming it. `POST /detokenize` answers
+token's string, where `return_token_strs` asks); its chat form (`messages`) is
+rawserve.api.chat_tokens'. `POST /detokenize` answers
 `{"tokens": [ids]}` with `{"prompt": text}`, special tokens kept, as vLLM decodes them.
 Server process; plain Python.
 """
@@ -33,14 +33,6 @@ from rawserve.http.exchange import HttpResponse
 MAX_PROMPT_TOKENS = 32768
 
 
-def read_no_messages(name: str, value: Any, context: DocContext | None) -> None:
-    raise BadRequest(
-        f'"{name}" is not supported on /tokenize by this server (a chat is rendered by the '
-        'model\'s worker): send the text as "prompt"',
-        param=name,
-    )
-
-
 def read_token_ids(name: str, value: Any, context: DocContext | None) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID for i in value
@@ -54,7 +46,6 @@ TOKENIZE = Body(
         "prompt": Field({"type": "string"}, read_string, reads_null=True, required=True),
         "add_special_tokens": flag(True),
         "return_token_strs": flag(False, "each token's string beside the ids"),
-        "messages": Field({"type": "null"}, read_no_messages),
     },
     ignore_unknown=True,  # (vLLM's clients send its other fields: chat_template...)
 )
@@ -100,7 +91,6 @@ async def tokenized(
 ) -> HttpResponse:
     """vLLM's /tokenize answer to a `TOKENIZE` body: a long prompt encoded on a thread
     (the event loop serves others meanwhile)."""
-    fields.value("messages")
     prompt = fields.value("prompt")
     special = fields.value("add_special_tokens")
     bound = TokenBound(MAX_PROMPT_TOKENS)

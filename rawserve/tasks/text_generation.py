@@ -41,6 +41,11 @@ API_SAMPLING = "api_sampling"
 # asked: the details hold the counts and the finish reason, not each token (a list that
 # grows with the tokens asked, up to the model's positions, and that nothing would read).
 TOKEN_COUNTS_ONLY = "token_counts_only"
+# Set by the server's chat token routes (vLLM's /tokenize with `messages`, TGI's
+# /chat_tokenize), never by a client: with max_new_tokens 0, nothing is run, and the
+# details list the prompt's ids (`prompt_ids`) and its text as the chat template wrote it
+# (`prompt_text`), whatever its length (a prompt listed is not one the model reads).
+PROMPT_LISTED = "prompt_listed"
 # Set by the server's OpenAI chat route, never by a client, where the operator keeps a
 # reasoning model's thinking in the content (--thinking-in-content): an answer a grammar
 # holds (tools, response_format) is held from its first token, as vLLM's without a

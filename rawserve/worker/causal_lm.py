@@ -29,6 +29,7 @@ from rawserve.tasks.text_generation import (
     CLOSED_IN_PROMPT,
     OPENED_IN_ANSWER,
     OPENED_IN_PROMPT,
+    PROMPT_LISTED,
     PROMPT_TOP_N,
     REASONING_END,
     REASONING_START,
@@ -513,6 +514,15 @@ class CausalLMRunner(Runner):
             self.refuse_unreadable([ids])
         return ids
 
+    def prompt_text(self, item: Any, params: dict[str, Any]) -> str:
+        """One prompt's text: a chat's as its template writes it, a text as it came, ids
+        decoded."""
+        if params.get(CHAT_PARAM):
+            return self.chat.prompt_text(item)
+        if isinstance(item, list):
+            return str(self.tokenizer.decode(item))
+        return str(item)
+
     def whole_prompt_ids(self, item: Any, params: dict[str, Any]) -> list[int]:
         """One prompt's token ids: a text tokenized, a chat (`{"messages": [...]}`, OpenAI's)
         rendered with the chat template, or ids as they came (OpenAI's completions take
@@ -577,7 +587,8 @@ class CausalLMRunner(Runner):
         """One item as a sequence for the continuous loop, with the settings `generate`
         would use for it (ValueError, as `run` gives it, for an input that cannot run)."""
         ids = self.prompt_ids(item, params)
-        self._check_lengths(params, len(ids))
+        if not params.get(PROMPT_LISTED):  # (one listed is not read: it may pass them)
+            self._check_lengths(params, len(ids))
         kwargs = generate_kwargs(params, self.defaults)
         config = self.model.generation_config
 
@@ -715,6 +726,7 @@ class CausalLMRunner(Runner):
             token_ids=generation.tokens,
             finish_reason=generation.finish_reason or "length",
             prompt_tokens=len(generation.prompt_ids),
+            prompt_ids=generation.prompt_ids,
             context=prompt_context(self.tokenizer, generation.prompt_ids),
             tokens=tokens,
             prefill=generation.prefill,
@@ -731,6 +743,7 @@ class CausalLMRunner(Runner):
         token_ids: list[int],
         finish_reason: str,
         prompt_tokens: int,
+        prompt_ids: list[int],
         context: list[int],
         tokens: list[dict[str, Any]] | None,
         prefill: list[dict[str, Any]] | None = None,
@@ -766,6 +779,9 @@ class CausalLMRunner(Runner):
                 output["details"]["reasoning_tokens"] = thought
             if begin:
                 output["details"]["stops_from"] = begin
+            if params.get(PROMPT_LISTED):  # the chat token routes' (nothing was run)
+                output["details"]["prompt_ids"] = list(prompt_ids)
+                output["details"]["prompt_text"] = self.prompt_text(prompt, params)
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 # as columns: thousands of dicts would take the server's loop to unpickle
                 output["details"]["prefill"] = columns(prefill or [])
@@ -790,14 +806,15 @@ class CausalLMRunner(Runner):
         # unasked, the length its generation config sets (`self.defaults` leaves it out)
         asked = kwargs.pop("max_new_tokens", self.model.generation_config.max_new_tokens)
         lengths = [int(n) for n in encoded["attention_mask"].sum(-1).tolist()]
-        self._check_lengths(params, max(lengths))
+        if not params.get(PROMPT_LISTED):  # (one listed is not read: it may pass them)
+            self._check_lengths(params, max(lengths))
         # Each row's own cap: a prompt and its new tokens past the positions stop there
         # (finish_reason "length"). Rows with the same cap share a `generate` call, so a
         # batch-mate's long prompt never cuts a short one's room (one call takes one cap).
         groups: dict[int, list[int]] = {}
         for row, length in enumerate(lengths):
             most = self._unasked_new_tokens(length) if asked is None else asked
-            cap = min(most, self.max_positions - length)
+            cap = max(0, min(most, self.max_positions - length))  # (0: one listed)
             groups.setdefault(cap, []).append(row)
         # A seeded sample repeats whatever runs beside it, as in the continuous loop: one
         # `generate` draws all its rows from one generator, so each seeded row runs alone,
@@ -840,6 +857,7 @@ class CausalLMRunner(Runner):
                     token_ids=token_ids,
                     finish_reason=finish_reason,
                     prompt_tokens=lengths[row],
+                    prompt_ids=ids,
                     context=prompt_context(self.tokenizer, ids),
                     tokens=tokens,
                     prefill=prefill,

@@ -121,14 +121,20 @@ class ChatRenderer:
     def prompt_ids(self, chat: dict[str, Any]) -> list[int]:
         """A chat request's prompt (`{"messages": [...]}`, OpenAI's, with its tools and
         settings) as token ids."""
-        parts = self.parts(
+        return self.render_ids(*self._request_parts(chat))
+
+    def prompt_text(self, chat: dict[str, Any]) -> str:
+        """A chat request's prompt as the chat template writes it (`prompt_ids`' text)."""
+        return self.render(*self._request_parts(chat))
+
+    def _request_parts(self, chat: dict[str, Any]) -> ChatParts:
+        return self.parts(
             chat["messages"],
             chat.get("tools"),
             chat.get("parallel_tool_calls", False),
             chat.get("tool_prompt", ""),
             {**chat.get("template_kwargs", {}), **chat.get("opening", {})},
         )
-        return self.render_ids(*parts)
 
     def plain_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """A chat's token ids, with no tools or settings."""
