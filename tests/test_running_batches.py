@@ -187,6 +187,33 @@ def test_a_continuous_worker_is_killed_at_the_batch_timeout_only_once_silent(loo
     assert (worker.state is WorkerState.DEAD) == (silent_for > 5.0)
 
 
+async def test_a_new_sequence_goes_to_a_worker_that_is_heard_over_a_stalled_one():
+    """A continuous worker whose rows have said nothing for STALLED_AFTER (stopped from
+    outside, wedged) is given new sequences only where no other worker has room: one
+    stopped with a row took half of them, each waiting for its 504. A worker given its
+    first row is not stalled for the silence of its idle time before it."""
+    from rawserve.serving.pool import STALLED_AFTER
+
+    loop = asyncio.get_running_loop()
+    now = [1000.0]
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu", "cpu"], loop=loop, clock=lambda: now[0])
+    stalled, heard = pool.workers
+    for worker in pool.workers:
+        worker.state, worker.sequences, worker.conn = WorkerState.IDLE, 4, Pipe()
+    pool.submit(["a"], {})  # its first row: heard from now on, whatever its idle silence
+    assert stalled.running.rows == 1 and stalled.heard_at == now[0]
+    pool.submit(["b"], {})
+    pool.submit(["c"], {})  # (the most room: the first again)
+    assert (stalled.running.rows, heard.running.rows) == (2, 1)
+    now[0] += STALLED_AFTER + 0.5
+    heard.heard_at = now[0]  # (the other ended a step just now)
+    for text in "def":  # the stalled one has the most room, and is passed over
+        pool.submit([text], {})
+    assert (stalled.running.rows, heard.running.rows) == (2, 4)
+    pool.submit(["g"], {})  # no other has room: the stalled one may yet go on
+    assert stalled.running.rows == 3
+
+
 @pytest.mark.parametrize(
     ("asked", "reported", "shown"),
     [

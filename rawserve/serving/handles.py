@@ -281,7 +281,9 @@ class WorkerHandle:
         self.ready: WorkerReady | None = None
         self.load_failure: str | None = None  # why its process could not load, as it said
         self.started_at = 0.0
-        self.heard_at = 0.0  # when its last message came (a continuous worker's sign of life)
+        # when its last message came (a continuous worker's sign of life), or when it was
+        # given rows while it ran none
+        self.heard_at = 0.0
         # reads what its process has sent and the loop has not yet seen (set as it starts)
         self.read_sent: Callable[[], None] | None = None
         self.record = record  # its restarts and crashes, counted by the supervisor

@@ -106,6 +106,11 @@ RUN_MEMORY = 0.8  # weight a worker's batch time average keeps of its past per b
 # input) they take the queue, a thread too many meanwhile, rather than stay idle (a
 # stopped worker's one item kept the other idle, and every request 504, for 120 s)
 MOST_HOLD_SECONDS = 2.0
+# A continuous worker running rows tells of each decoding step, or of its life at least
+# every PROGRESS_EVERY seconds: one silent for this long is stalled (stopped from outside,
+# wedged), and a new sequence goes to a worker that is heard, where one has room (a stopped
+# worker was given half of them, each waiting for its 504, until the batch timeout)
+STALLED_AFTER = 2 * PROGRESS_EVERY
 
 
 class DropCounter(Protocol):
@@ -282,7 +287,7 @@ class WorkerPool(PoolReports):
         free = self._unreserved()
         if not free or self._retries_for_any():
             raise Refused.because(Reason.NO_WORKER, "no model worker is free")
-        worker = self._next_idle(free, despite_hold=True) or max(free, key=WorkerHandle.room)
+        worker = self._next_idle(free, despite_hold=True) or max(free, key=self._claim)
         if not worker.room():
             raise Refused.because(Reason.NO_WORKER, "no model worker is free")
         future = self._running_loop.create_future()
@@ -460,6 +465,17 @@ class WorkerPool(PoolReports):
         assert self._loop is not None, "start() first"
         return self._loop
 
+    def _claim(self, worker: WorkerHandle) -> tuple[bool, int]:
+        """How strongly a busy worker claims a new batch: one with room that is heard
+        first, then the most room (a stalled one only where no other has room)."""
+        room = worker.room()
+        return room > 0 and not self._stalled(worker), room
+
+    def _stalled(self, worker: WorkerHandle) -> bool:
+        """Whether a continuous worker running rows has been silent past STALLED_AFTER."""
+        silent = self.clock() - worker.heard_at
+        return bool(worker.sequences and worker.running.rows) and silent > STALLED_AFTER
+
     def _next_idle(
         self, among: list[WorkerHandle], *, despite_hold: bool = False
     ) -> WorkerHandle | None:
@@ -500,6 +516,8 @@ class WorkerPool(PoolReports):
 
     def _send(self, worker: WorkerHandle, job: Job) -> None:
         state = worker.state
+        if worker.sequences and not worker.running.rows:  # (idle, it said nothing: its
+            worker.heard_at = self.clock()  # silence counts from its first row)
         if worker.job is None or worker.sequences:
             worker.state = WorkerState.BUSY
             self._start(worker, job)
