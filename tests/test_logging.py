@@ -306,7 +306,10 @@ def test_the_onnx_exporters_per_node_lines_are_left_out_but_its_warnings_kept(re
     assert logging.getLogger("rawserve.worker").isEnabledFor(logging.INFO)
 
 
-@pytest.mark.parametrize(("label", "named"), [(0, "0"), ("cls/0", "cls/0")])
+@pytest.mark.parametrize(
+    ("label", "named"),
+    [(0, "0"), ("cls/0", "cls/0"), ("emb%v2/0", "emb%v2/0"), ("a%sb/1", "a%sb/1")],
+)
 def test_a_workers_json_lines_name_the_worker_as_its_text_lines_do(
     restore_logging, monkeypatch, label, named
 ):
@@ -326,6 +329,36 @@ def test_a_workers_json_lines_name_the_worker_as_its_text_lines_do(
         (named, "engine: torch"),
         (named, "a field"),
     ]
+
+
+def test_a_log_that_fails_in_a_workers_stream_reports_it_on_the_stream_once(monkeypatch):
+    """logging reports a handler's failure on sys.stderr, which in a worker is a
+    LinesToLog writing to the same log: the report failed again, and again, and the
+    worker died of a RecursionError (a model folder named with a "%" did that at load).
+    The report goes to the stream itself."""
+    from rawserve.shared.logs import LinesToLog
+
+    class Failing(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            try:
+                raise ValueError("this handler cannot write")
+            except ValueError:
+                self.handleError(record)
+
+    logger = logging.getLogger("rawserve.tests.failing")
+    logger.propagate = False
+    logger.addHandler(Failing())
+    raw = io.StringIO()
+    stream = LinesToLog(logger, logging.WARNING, raw)
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    try:
+        stream.write("a line\n")
+    finally:
+        logger.handlers.clear()
+    report = raw.getvalue()
+    assert "--- Logging error ---" in report and "this handler cannot write" in report
+    assert report.count("--- Logging error ---") == 1 and "\x1b" not in report
 
 
 def test_a_threads_uncaught_error_is_one_log_line(restore_logging, monkeypatch):

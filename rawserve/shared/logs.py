@@ -328,10 +328,12 @@ def setup_worker_logging(label: str | int, environ: Mapping[str, str] | None = N
         stream = getattr(sys, name)
         if isinstance(stream, LinesToLog):
             setattr(sys, name, stream.stream)
+    # (a model's name is its folder's, which may hold a "%": a format's own character)
+    named = str(label).replace("%", "%%")
     setup_logging(
         env.get("RAWSERVE_LOG_LEVEL", "info"),
         log_format if log_format in LOG_FORMATS else "text",
-        text_format=f"%(asctime)s worker-{label} %(levelname)s %(message)s",
+        text_format=f"%(asctime)s worker-{named} %(levelname)s %(message)s",
         fields={"worker": str(label)},
     )
     # A handler's print(), a library's writes: lines of the log in either format (JSON
@@ -359,6 +361,10 @@ class LinesToLog(io.TextIOBase):
         self.level = level
         self.stream = stream
         self.pending = ""  # a line's start, until its end is written
+        # writing a line to the log: what the log writes here meanwhile (logging's report of
+        # its own failure, to sys.stderr) goes to the stream as it is, else that report
+        # would fail again, and again, to a RecursionError that took the worker down
+        self.logging = False
 
     def write(self, text: str) -> int:
         # (a progress bar's writes end in "\r": each a line; a line's start held no longer
@@ -375,8 +381,16 @@ class LinesToLog(io.TextIOBase):
         return len(text)
 
     def _log(self, line: str) -> None:
-        if line.strip():
+        if not line.strip():
+            return
+        if self.logging:
+            self.stream.write(printable(line.rstrip()) + "\n")
+            return
+        self.logging = True
+        try:
             self.logger.log(self.level, "%s", line.rstrip())
+        finally:
+            self.logging = False
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
