@@ -2206,6 +2206,10 @@ async def test_a_preflight_asking_for_headers_that_are_no_names_is_allowed_witho
         ("Bearer k3yy", False),
         ("Bearer K3Y", False),  # the token is not
         ("Bearer k3y\xe9", False),  # non-ASCII from the wire: refused, not a crash
+        ("Bearer k3y\xa0", False),  # a NO-BREAK SPACE is no header white space
+        ("Bearer \x85k3y", False),  # nor is a NEXT LINE
+        ("Bearer\xa0k3y", False),
+        ("Bearer\tk3y", False),  # a tab does not part the scheme from the token
     ],
 )
 def test_require_bearer(authorization, accepted):
