@@ -285,6 +285,11 @@ def test_nginxs_own_errors_are_json_and_rawserves_413_reaches_the_client(start_c
     assert status == 503 and body["error"]["message"].startswith("no replica could take")
     status, _, body = post_raw(cluster, b"x" * (3 * 1024 * 1024), "/v1/embeddings")
     assert status == 413 and body["error"]["code"] == "payload_too_large", body
+    # TEI's /embeddings is OpenAI's /v1/embeddings: its errors are OpenAI's, nginx's too
+    status, _, body = post_raw(cluster, b"x" * (3 * 1024 * 1024), "/embeddings")
+    assert status == 413 and body["error"]["code"] == "payload_too_large", body
+    status, _, body = post_raw(cluster, b"hello", "/embeddings")
+    assert status == 503 and body["error"]["message"].startswith("no replica could take")
 
 
 def test_nginx_and_rawserve_log_one_id_for_each_request(start_cluster):
