@@ -90,46 +90,101 @@ def answered(asked: HttpRequest, routed: HttpRequest, response: HttpResponse) ->
 
 def document_aliases(paths: dict[str, dict[str, Any]], models: ServedModels) -> None:
     """SageMaker's names in an OpenAPI document's `paths`, each described as the route it
-    stands for where that one is served (`/invocations` as the default model's route for
-    a body that names no other; /openapi.json left them out, though they answer)."""
-    stands_for = {
-        PING: ("/ready", "get"),
-        EMBEDDINGS: ("/v1/embeddings", "post"),
-        INVOCATIONS: (invocation_path(None, models), "post"),
-    }
+    stands for where that one is served (/openapi.json left them out, though they
+    answer): `/invocations` as every route it may stand for (`invocation_operation`)."""
+    stands_for = {PING: ("/ready", "get"), EMBEDDINGS: ("/v1/embeddings", "post")}
     for alias, (path, method) in stands_for.items():
         operation = paths.get(path, {}).get(method)
         if operation is not None:
             summary = f"SageMaker's name for {method.upper()} {path}: {operation['summary']}"
             operation = {**operation, "summary": summary, "operationId": f"{method}_{alias[1:]}"}
-            if alias == INVOCATIONS and path == GENERATE:
-                operation = listed_answer(operation)
             paths[alias] = {method: operation}
+    invocations = invocation_operation(paths, models)
+    if invocations is not None:
+        paths[INVOCATIONS] = {"post": invocations}
+
+
+def invocation_routes(models: ServedModels) -> list[str]:
+    """Each route `/invocations` may stand for, by the bodies it reads (`invocation_path`):
+    each served model's, and OpenAI's chat and completions."""
+    bodies: list[dict[str, Any]] = [{"messages": []}, {"prompt": ""}]
+    for model in models.all:
+        for inputs in ("text", {"source_sentence": "text"}):
+            bodies.append({"inputs": inputs, "model": model.name})
+        bodies.append({"inputs": "text", "model": model.name, "stream": True})
+    return list(dict.fromkeys(invocation_path(body, models) for body in bodies))
+
+
+def invocation_operation(
+    paths: dict[str, dict[str, Any]], models: ServedModels
+) -> dict[str, Any] | None:
+    """`/invocations` in an OpenAPI document: its body any of the bodies of the routes it
+    may stand for (a route of the Inference API's taking the body's "model" too, which is
+    left out on the way), its answers any of theirs (a generation's, whole, in a list);
+    None where it stands for no route served."""
+    routes = [path for path in invocation_routes(models) if "post" in paths.get(path, {})]
+    if not routes:
+        return None
+    operations = [paths[path]["post"] for path in routes]
+    bodies = [
+        named_model(operation["requestBody"]["content"]["application/json"]["schema"])
+        if path.startswith(MODELS_PREFIX)
+        else operation["requestBody"]["content"]["application/json"]["schema"]
+        for path, operation in zip(routes, operations, strict=True)
+    ]
+    answers = [
+        listed_answer(operation) if path == GENERATE else operation
+        for path, operation in zip(routes, operations, strict=True)
+    ]
+    named = ", ".join(f"POST {path}" for path in routes)
+    return {
+        **operations[0],
+        "summary": f"SageMaker's route: the route of the model the body names (else the "
+        f"default model's), for the body it is: {named}",
+        "operationId": "post_invocations",
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": any_of(bodies)}},
+        },
+        "responses": merged_responses([operation["responses"] for operation in answers]),
+    }
+
+
+def named_model(schema: dict[str, Any]) -> dict[str, Any]:
+    """A body schema with the "model" field `/invocations` reads before the route does."""
+    model = {"type": "string", "description": "The served model to use, by name"}
+    return {**schema, "properties": {**schema.get("properties", {}), "model": model}}
+
+
+def any_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
+    """One schema for any of `schemas` (each once)."""
+    unique = list({json.dumps(schema, sort_keys=True): schema for schema in schemas}.values())
+    return unique[0] if len(unique) == 1 else {"anyOf": unique}
+
+
+def merged_responses(listings: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each status's answers, of any of several operations: per media type, any of their
+    schemas (a status's description the first operation's)."""
+    merged: dict[str, Any] = {}
+    schemas: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for responses in listings:
+        for status, answer in responses.items():
+            merged.setdefault(status, {"description": answer["description"]})
+            for media, spec in answer.get("content", {}).items():
+                schemas.setdefault((status, media), []).append(spec["schema"])
+    for (status, media), found in schemas.items():
+        merged[status].setdefault("content", {})[media] = {"schema": any_of(found)}
+    return merged
 
 
 def listed_answer(operation: dict[str, Any]) -> dict[str, Any]:
-    """`operation` (/generate's) as `/invocations` answers a generation model's bodies:
-    one with `inputs` in a list (`answered`), or streamed (`"stream": true`), one with
-    `prompt` or `messages` as OpenAI's completions and chat completions answer it."""
+    """`operation` (/generate's) as `/invocations` answers it: whole, in a list, as TGI's
+    SageMaker route (its `POST /`) answers it (`answered`)."""
     responses = dict(operation["responses"])
     answer = responses["200"]
-    content = dict(answer["content"])
-    whole = content["application/json"]
-    openai = {
-        "type": "object",
-        "description": "a body with `prompt`: a completion; with `messages`: a chat "
-        "completion (as /v1/completions and /v1/chat/completions answer them)",
-    }
-    listed = {"type": "array", "items": whole["schema"]}
-    content["application/json"] = {**whole, "schema": {"oneOf": [listed, openai]}}
-    content["text/event-stream"] = {
-        "schema": {
-            "type": "string",
-            "description": "with `\"stream\": true`: /generate_stream's events (OpenAI's "
-            "chunks for `prompt` or `messages`)",
-        }
-    }
-    responses["200"] = {**answer, "content": content}
+    whole = answer["content"]["application/json"]
+    listed = {**whole, "schema": {"type": "array", "items": whole["schema"]}}
+    responses["200"] = {**answer, "content": {**answer["content"], "application/json": listed}}
     return {**operation, "responses": responses}
 
 
