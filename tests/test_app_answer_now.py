@@ -303,6 +303,23 @@ async def test_options_star_asks_about_the_server_as_a_whole(app):
     assert refused.value.status == 405
 
 
+async def test_a_preflight_of_options_star_allows_every_method_the_server_serves(app):
+    """A CORS preflight of `*` asking for POST was 405 "method not allowed: this path
+    takes OPTIONS": `*` stands for the server as a whole, whose methods `OPTIONS *`
+    lists."""
+    from dataclasses import replace
+
+    settings = replace(app.settings, cors_allow_origins=("https://app.example",))
+    cors = App(app.models, settings)
+    asked = [("origin", "https://app.example"), ("access-control-request-method", "POST")]
+    answer = await cors.handle(request("OPTIONS", "*", headers=asked))
+    assert answer.status == 204, answer.body
+    allowed = dict(answer.headers)["Access-Control-Allow-Methods"].split(", ")
+    assert set(allowed) == {"GET", "HEAD", "OPTIONS", "POST"}
+    unserved = [asked[0], ("access-control-request-method", "DELETE")]
+    assert (await cors.handle(request("OPTIONS", "*", headers=unserved))).status == 405
+
+
 async def test_of_several_models_one_loading_the_body_names_which_refuses():
     loading = served("loading", "feature-extraction")
     loading.serving.workers.ready = False

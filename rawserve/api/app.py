@@ -188,8 +188,10 @@ class App:
     async def route(self, request: HttpRequest) -> HttpResponse:
         methods = self.methods(request)
         if self.cors is not None and self.cors.is_preflight(request):
-            # a browser sends no API key here
-            return self.cors.preflight(request, allowed_methods(methods))
+            # a browser sends no API key here; `*` is every route's (RFC 9110 9.3.7)
+            server_wide = request.path == SERVER_WIDE
+            allowed = self.server_methods if server_wide else allowed_methods(methods)
+            return self.cors.preflight(request, allowed)
         return await self.handler(request, methods)(request)
 
     def is_preflight(self, request: HttpRequest) -> bool:
