@@ -534,6 +534,10 @@ def build_parser() -> OneLineParser:
         prog="rawserve",
         description="Serve a Hugging Face transformers pipeline over HTTP/1.1. "
         "Every option can also be set as RAWSERVE_<OPTION>, e.g. RAWSERVE_PORT=8000.",
+        epilog="`rawserve serve [OPTIONS]` starts it as SageMaker starts a container: on "
+        "port 8080 (or SAGEMAKER_BIND_TO_PORT) unless --port or RAWSERVE_PORT says, "
+        "serving HF_MODEL_ID (HF_MODEL_REVISION, HF_TASK) or the files in /opt/ml/model "
+        "where no --model names one.",
     )
     for option in OPTIONS:
         if option.type is bool:  # a switch; its variable is 1/true/yes/on or 0/false/no/off

@@ -185,6 +185,15 @@ def test_help_never_shows_the_api_key_its_variable_holds(monkeypatch, capsys):
     assert "(default: 9001)" in shown  # another variable's value is still shown
 
 
+def test_help_tells_of_the_sagemaker_word(monkeypatch, capsys):
+    """`rawserve serve` (SageMaker's start) was served but never named by --help."""
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "`rawserve serve [OPTIONS]`" in shown and "SAGEMAKER_BIND_TO_PORT" in shown
+
+
 def test_an_empty_api_key_variable_is_refused_not_read_as_no_key(monkeypatch, capsys):
     """Unset, the key is none at all: a secret that expanded to nothing must not open
     every route."""
