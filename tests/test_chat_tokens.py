@@ -176,8 +176,11 @@ def test_a_chat_longer_than_the_model_is_listed_up_to_the_cap(servers, name):
         ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
         ("/tokenize", {"messages": [{"content": "no role"}]}, 400, "messages"),
         ("/tokenize", {"messages": "hi"}, 400, "messages"),
-        ("/chat_tokenize", {"messages": MESSAGES, "unknown": 1}, 400, "unknown"),
-        ("/chat_tokenize", {"prompt": "hi"}, 400, "messages"),
+        ("/tokenize", {"messages": MESSAGES, "add_special_tokens": 5}, 400, "true or false"),
+        ("/tokenize", {"messages": MESSAGES, "add_special_tokens": "no"}, 400, "true or false"),
+        # (TGI's route types its errors as TGI's: 422, "validation")
+        ("/chat_tokenize", {"messages": MESSAGES, "unknown": 1}, 422, "unknown"),
+        ("/chat_tokenize", {"prompt": "hi"}, 422, "messages"),
         (
             "/tokenize",
             {"messages": MESSAGES, "model": "text-generation"},
@@ -187,7 +190,7 @@ def test_a_chat_longer_than_the_model_is_listed_up_to_the_cap(servers, name):
         (
             "/chat_tokenize",
             {"messages": MESSAGES, "model": "text-generation"},
-            400,
+            422,
             "no chat template",
         ),
         (
@@ -203,6 +206,8 @@ def test_what_the_chat_token_routes_cannot_take_is_refused_saying_why(
 ):
     answered, body = servers["continuous"].post_json(document, path)
     assert answered == status and said in str(body), body
+    if path == "/chat_tokenize" and status == 422:
+        assert body["error_type"] == "validation"  # (TGI's client raises ValidationError)
 
 
 def test_a_body_naming_no_model_is_given_the_one_with_a_chat_template(servers, tokenizer):
@@ -215,3 +220,59 @@ def test_a_body_naming_no_model_is_given_the_one_with_a_chat_template(servers, t
     assert status == 200 and unnamed == body
     status, tgi = server.post_json({"messages": MESSAGES}, "/chat_tokenize")
     assert status == 200 and [token["id"] for token in tgi["tokenize_response"]] == body["tokens"]
+
+
+# --- the worker's side, in this process -------------------------------------------------
+
+MAYBE_EMPTY = (  # a template that writes nothing for a message saying EMPTY
+    "{% for m in messages %}{% if m['content'] != 'EMPTY' %}<s>{{ m['role'] }}: "
+    "{{ m['content'] }}</s>{% endif %}{% endfor %}"
+)
+STRICT = (  # a template that refuses a message that is a bare end token, as text
+    "{% for m in messages %}{% if m['content'] == '</s>' %}"
+    "{{ raise_exception('a bare end token is not a message') }}{% endif %}"
+    "<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+)
+
+
+def runner_with(tiny_model, template):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    runner.tokenizer.chat_template = template
+    return runner
+
+
+def listed(runner, chats):
+    from rawserve.api.chat_tokens import LISTING
+
+    return [output["details"] for [output] in runner.run(chats, dict(LISTING))]
+
+
+def test_an_empty_chat_listed_beside_longer_ones_on_the_static_path_has_no_ids(tiny_model):
+    """A chat its template writes as nothing, listed in one `generate` batch with a longer
+    one, answered the longer one's padded width of pad ids (its row sliced from -0);
+    generated, it was a 500 from inside `generate`: it is the input's 422 now, as on the
+    continuous loop."""
+    runner = runner_with(tiny_model, MAYBE_EMPTY)
+    empty = {"messages": [{"role": "user", "content": "EMPTY"}]}
+    said = {"messages": [{"role": "user", "content": "hello world, what a good movie"}]}
+    nothing, something = listed(runner, [empty, said])
+    assert nothing["prompt_ids"] == [] and nothing["prompt_text"] == ""
+    assert something["prompt_ids"] == runner.prompt_ids(said, {"chat": True})
+    with pytest.raises(ValueError, match="no tokens"):
+        runner.run([empty], {"chat": True, "max_new_tokens": 2, "return_full_text": False})
+
+
+def test_a_chat_whose_template_refuses_it_as_text_is_listed_as_the_model_reads_it(tiny_model):
+    """The ids are rendered with a message's control tokens kept as text; the text again,
+    without: a template that refuses a bare `</s>` took the ids and refused the text, and
+    the listing was a 422 (with a traceback in the log) for a chat a completion takes.
+    Its text is then its ids decoded."""
+    runner = runner_with(tiny_model, STRICT)
+    chat = {"messages": [{"role": "user", "content": "</s>"}]}
+    [details] = listed(runner, [chat])
+    assert details["prompt_ids"] == runner.prompt_ids(chat, {"chat": True})
+    assert details["prompt_text"] == runner.tokenizer.decode(details["prompt_ids"])

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rawserve.api.fields import Body, Field, flag
+from rawserve.api.fields import Body, Field, flag, read_boolean
 from rawserve.api.openai_generation import CHAT, CHAT_GENERATION, parse_model_chat
 from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import Needs, Schema
@@ -60,7 +60,7 @@ LISTING = {
 
 
 def read_special_tokens(name: str, value: Any, context: Any) -> bool:
-    if value is True:
+    if read_boolean(name, value, context):
         raise BadRequest(
             f'"{name}" true is not supported with "messages": the chat template writes the '
             "special tokens the model reads",

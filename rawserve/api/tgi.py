@@ -49,7 +49,8 @@ TASK = "text-generation"
 GENERATE = "/generate"
 GENERATE_STREAM = "/generate_stream"
 CHAT_TOKENIZE = "/chat_tokenize"
-PATHS = frozenset({GENERATE, GENERATE_STREAM})
+PATHS = frozenset({GENERATE, GENERATE_STREAM, CHAT_TOKENIZE})  # (whose errors are TGI's)
+
 TOKEN: Schema = {
     "type": "object",
     "required": ["id", "text", "logprob", "special"],

@@ -50,6 +50,7 @@ from rawserve.worker.chat_rendering import (
     template_reads,
 )
 from rawserve.worker.continuous import (
+    NO_TOKENS,
     Generation,
     cache_keyword,
     cache_of,
@@ -508,17 +509,23 @@ class CausalLMRunner(Runner):
         text's or chat's token the model has no embedding for is refused where it is read
         (one cut off is not)."""
         ids = self.whole_prompt_ids(item, params)
+        if not ids and not params.get(PROMPT_LISTED):  # (a chat template that renders no text)
+            raise ValueError(NO_TOKENS)
         if cut := params.get("truncate"):
             ids = ids[-cut:]
         if params.get(CHAT_PARAM) or not isinstance(item, list):
             self.refuse_unreadable([ids])
         return ids
 
-    def prompt_text(self, item: Any, params: dict[str, Any]) -> str:
-        """One prompt's text: a chat's as its template writes it, a text as it came, ids
-        decoded."""
+    def prompt_text(self, item: Any, params: dict[str, Any], ids: list[int]) -> str:
+        """One prompt's text: a chat's as its template writes it (its `ids`, decoded,
+        where the template refuses to write the chat as plain text what it read with
+        its control tokens kept as text), a text as it came, ids decoded."""
         if params.get(CHAT_PARAM):
-            return self.chat.prompt_text(item)
+            try:
+                return self.chat.prompt_text(item)
+            except (WrittenForClients, ValueError):
+                return str(self.tokenizer.decode(ids))
         if isinstance(item, list):
             return str(self.tokenizer.decode(item))
         return str(item)
@@ -781,7 +788,7 @@ class CausalLMRunner(Runner):
                 output["details"]["stops_from"] = begin
             if params.get(PROMPT_LISTED):  # the chat token routes' (nothing was run)
                 output["details"]["prompt_ids"] = list(prompt_ids)
-                output["details"]["prompt_text"] = self.prompt_text(prompt, params)
+                output["details"]["prompt_text"] = self.prompt_text(prompt, params, prompt_ids)
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 # as columns: thousands of dicts would take the server's loop to unpickle
                 output["details"]["prefill"] = columns(prefill or [])
@@ -845,9 +852,11 @@ class CausalLMRunner(Runner):
                 tokens = None if watcher.tokens is None else watcher.tokens[index]
                 made[row] = (watcher.token_ids[index], watcher.finish_reasons[index], tokens)
         outputs = []
+        padded = int(encoded["input_ids"].shape[1])
         for row, prompt in enumerate(inputs):
             token_ids, finish_reason, tokens = made[row]
-            ids = encoded["input_ids"][row, -lengths[row] :].tolist()
+            # (its last `lengths[row]`: of an empty prompt, none, not the padded row)
+            ids = encoded["input_ids"][row, padded - lengths[row] :].tolist()
             prefill = self.prefill_tokens(ids, params) if scores_prompt(params) else None
             outputs.append(
                 self._output(

@@ -70,6 +70,8 @@ from rawserve.worker.watermark import mark
 GRAMMAR_WAIT = 0.02
 MASK_64 = 2**64 - 1
 SEEDS = 2**32  # a drawn seed is below it (so that an OpenAI client may send it back)
+# a prompt of no tokens (a chat template that renders no text), refused as the input's fault
+NO_TOKENS = "the prompt reads as no tokens: there is nothing to continue"
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
 # the latest prompts prefilled whose last scores are kept, so that a copy of one that joins
 # later (a request's `n` choices reach the loop a step apart) takes its keys and values
@@ -306,7 +308,7 @@ class ContinuousBatcher:
         scored, and ends once its `scoring` has run (it may fill the positions)."""
         room = self.max_positions - len(generation.prompt_ids)
         if not generation.prompt_ids:  # (a chat template that renders no text)
-            raise ValueError("the prompt reads as no tokens: there is nothing to continue")
+            raise ValueError(NO_TOKENS)
         if room < (1 if generation.max_new_tokens else 0):
             raise ValueError(
                 f"the prompt is {len(generation.prompt_ids)} tokens, which is longer than the "
