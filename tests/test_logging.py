@@ -361,6 +361,44 @@ def test_a_log_that_fails_in_a_workers_stream_reports_it_on_the_stream_once(monk
     assert report.count("--- Logging error ---") == 1 and "\x1b" not in report
 
 
+def test_lines_printed_from_several_threads_at_once_are_all_lines_of_the_log():
+    """The guard against a log failure recursing is the writing thread's own: kept for
+    the stream, another thread's line written while one was being logged went to the
+    stream raw (a handler's threads printing at once: up to 900 of 1,200 lines came out
+    as bare text in a JSON log)."""
+    import threading
+    import time
+
+    from rawserve.shared.logs import LinesToLog
+
+    logged: list[str] = []
+
+    class Slow(logging.Handler):  # (a write that takes a while: threads overlap in it)
+        def emit(self, record: logging.LogRecord) -> None:
+            time.sleep(0.001)
+            logged.append(record.getMessage())
+
+    logger = logging.getLogger("rawserve.tests.threads")
+    logger.propagate = False
+    logger.addHandler(Slow())
+    raw = io.StringIO()
+    stream = LinesToLog(logger, logging.WARNING, raw)
+
+    def prints(thread: int) -> None:
+        for line in range(25):
+            stream.write(f"thread {thread} line {line}\n")
+
+    threads = [threading.Thread(target=prints, args=(n,)) for n in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        logger.handlers.clear()
+    assert raw.getvalue() == "" and len(logged) == 100
+
+
 def test_a_threads_uncaught_error_is_one_log_line(restore_logging, monkeypatch):
     """A thread a handler starts that raises wrote Python's bare traceback to stderr, many
     lines amid the log (with --log-format json, lines that are not JSON)."""

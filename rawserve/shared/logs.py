@@ -361,10 +361,12 @@ class LinesToLog(io.TextIOBase):
         self.level = level
         self.stream = stream
         self.pending = ""  # a line's start, until its end is written
-        # writing a line to the log: what the log writes here meanwhile (logging's report of
-        # its own failure, to sys.stderr) goes to the stream as it is, else that report
-        # would fail again, and again, to a RecursionError that took the worker down
-        self.logging = False
+        # the threads writing a line to the log: what the log writes here meanwhile from
+        # the same thread (logging's report of its own failure, to sys.stderr) goes to the
+        # stream as it is, else that report would fail again, and again, to a
+        # RecursionError that took the worker down (another thread's lines are lines of
+        # the log, as ever)
+        self.logging: set[int] = set()
 
     def write(self, text: str) -> int:
         # (a progress bar's writes end in "\r": each a line; a line's start held no longer
@@ -383,14 +385,15 @@ class LinesToLog(io.TextIOBase):
     def _log(self, line: str) -> None:
         if not line.strip():
             return
-        if self.logging:
+        thread = threading.get_ident()
+        if thread in self.logging:
             self.stream.write(printable(line.rstrip()) + "\n")
             return
-        self.logging = True
+        self.logging.add(thread)
         try:
             self.logger.log(self.level, "%s", line.rstrip())
         finally:
-            self.logging = False
+            self.logging.discard(thread)
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
