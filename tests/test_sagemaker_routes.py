@@ -237,6 +237,9 @@ async def test_openapi_documents_the_names_sagemaker_calls_as_the_routes_they_st
         stands_for = {**stands_for, "properties": {**stands_for["properties"], "model": ANY}}
     assert stands_for in body.get("anyOf", [body])
     assert f"POST {path}" in invocations["summary"]
+    # every media type the route takes (a fill-mask model's text/plain too)
+    taken = set(paths[path]["post"]["requestBody"]["content"])
+    assert taken <= set(invocations["requestBody"]["content"])
     assert ("/embeddings" in paths) == (task == "feature-extraction")
     ids = [op["operationId"] for methods in paths.values() for op in methods.values()]
     assert len(ids) == len(set(ids))  # OpenAPI's rule: each its own

@@ -126,12 +126,13 @@ def invocation_operation(
     if not routes:
         return None
     operations = [paths[path]["post"] for path in routes]
-    bodies = [
-        named_model(operation["requestBody"]["content"]["application/json"]["schema"])
-        if path.startswith(MODELS_PREFIX)
-        else operation["requestBody"]["content"]["application/json"]["schema"]
-        for path, operation in zip(routes, operations, strict=True)
-    ]
+    bodies: dict[str, list[dict[str, Any]]] = {}  # by media type (text/plain too)
+    for path, operation in zip(routes, operations, strict=True):
+        for media, spec in operation["requestBody"]["content"].items():
+            named = path.startswith(MODELS_PREFIX) and media == "application/json"
+            bodies.setdefault(media, []).append(
+                named_model(spec["schema"]) if named else spec["schema"]
+            )
     answers = [
         listed_answer(operation) if path == GENERATE else operation
         for path, operation in zip(routes, operations, strict=True)
@@ -144,7 +145,7 @@ def invocation_operation(
         "operationId": "post_invocations",
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": any_of(bodies)}},
+            "content": {media: {"schema": any_of(found)} for media, found in bodies.items()},
         },
         "responses": merged_responses([operation["responses"] for operation in answers]),
     }
