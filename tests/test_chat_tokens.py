@@ -247,8 +247,9 @@ def runner_with(tiny_model, template):
 
 def listed(runner, chats):
     from rawserve.api.chat_tokens import LISTING
+    from rawserve.tasks.text_generation import PROMPT_TEXT
 
-    return [output["details"] for [output] in runner.run(chats, dict(LISTING))]
+    return [output["details"] for [output] in runner.run(chats, {**LISTING, PROMPT_TEXT: True})]
 
 
 def test_an_empty_chat_listed_beside_longer_ones_on_the_static_path_has_no_ids(tiny_model):

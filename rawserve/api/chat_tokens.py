@@ -4,9 +4,9 @@ made of it, before they send it.
 
 Only the worker renders a chat (it holds the model's chat template, and what rawserve
 makes of tools, roles and control tokens): the chat is queued as a generation of no new
-tokens (`PROMPT_LISTED`), which runs nothing, and the worker answers the prompt's ids and
-text. The chat is read as `/v1/chat/completions` reads it, so the tokens listed are those
-a chat completion's prompt would be.
+tokens (`PROMPT_LISTED`), which runs nothing, and the worker answers the prompt's ids
+(and, for TGI's, its text). The chat is read as `/v1/chat/completions` reads it, so
+the tokens listed are those a chat completion's prompt would be.
 
 Server process; plain Python.
 """
@@ -14,9 +14,11 @@ Server process; plain Python.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag, read_boolean
 from rawserve.api.openai_generation import CHAT, CHAT_GENERATION, parse_model_chat
 from rawserve.api.outcomes import unwrap
@@ -30,8 +32,13 @@ from rawserve.api.tokens import (
     answer_within,
 )
 from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
-from rawserve.http.exchange import HttpResponse
-from rawserve.tasks.text_generation import CHAT_PARAM, PROMPT_LISTED, TOKEN_COUNTS_ONLY
+from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.tasks.text_generation import (
+    CHAT_PARAM,
+    PROMPT_LISTED,
+    PROMPT_TEXT,
+    TOKEN_COUNTS_ONLY,
+)
 
 # what the routes need of a model: a chat template to render with, a tokenizer in the
 # server (TGI's tokens are the text's; vLLM's strings the vocabulary's)
@@ -48,7 +55,7 @@ VLLM_CHAT_FIELDS = (
     "add_generation_prompt",
     "continue_final_message",
 )
-# a chat listed: rendered and tokenized, nothing run (the details carry the prompt)
+# a chat listed: rendered and tokenized, nothing run (the details carry its ids)
 LISTING = {
     CHAT_PARAM: True,
     PROMPT_LISTED: True,
@@ -112,20 +119,31 @@ CHAT_TOKENIZE_RESPONSE: Schema = {
 
 
 @dataclass(frozen=True)
-class RenderedChat:
-    """A chat as the worker rendered it: the ids the model would read, and the text the
-    chat template wrote."""
+class ChatRequest:
+    """A chat token request's model, that model's tokenizer in the server, and when the
+    request must be answered."""
 
-    ids: list[int]
-    text: str
+    model: ServedModel
+    tokenizer: ServerTokenizer
+    deadline: float
 
 
-async def rendered_chat(model: ServedModel, chat: dict[str, Any], deadline: float) -> RenderedChat:
-    """`chat` (`{"messages": [...]}`, as parse_chat makes it) rendered by the model's worker."""
-    [result] = await model.run([chat], LISTING, deadline)
+async def chat_request(context: RouteContext, request: HttpRequest, name: Any) -> ChatRequest:
+    """The model a chat token request names (`name`, the body's "model"), queued for as
+    a generation is (503 at once where it is busy)."""
+    model = context.model_for(name, CHAT_TOKENIZER, queued_for=request)
+    tokenizer = await context.tokenizers.get(model)
+    assert tokenizer is not None  # (CHAT_TOKENIZER: a tokenizer in the server)
+    return ChatRequest(model, tokenizer, context.deadline(request))
+
+
+async def listed_details(asked: ChatRequest, chat: dict[str, Any], text: bool) -> Any:
+    """`chat` (`{"messages": [...]}`, as parse_chat makes it) listed by the model's
+    worker: the details of its answer, `prompt_ids` (and, with `text`, `prompt_text`)."""
+    params = {**LISTING, PROMPT_TEXT: True} if text else LISTING
+    [result] = await asked.model.run([chat], params, asked.deadline)
     [output] = unwrap(result)
-    details = output["details"]
-    return RenderedChat(list(details["prompt_ids"]), str(details["prompt_text"]))
+    return output["details"]
 
 
 def parsed_chat(model: ServedModel, document: Any) -> dict[str, Any]:
@@ -142,49 +160,50 @@ def check_count(count: int) -> None:
 
 
 async def vllm_chat_tokenized(
-    model: ServedModel,
-    tokenizer: ServerTokenizer,
+    context: RouteContext,
+    request: HttpRequest,
     document: dict[str, Any],
-    deadline: float,
-    max_model_len: int,
-    largest: int,
+    max_model_len: Callable[[ServedModel], int],
 ) -> HttpResponse:
-    """vLLM's /tokenize answer to a body with `messages` (`TOKENIZE_CHAT`)."""
+    """vLLM's /tokenize answer to a body with `messages` (`TOKENIZE_CHAT`); `max_model_len`
+    says a model's length as the prompt form does."""
+    if document.get("prompt") is not None:
+        raise BadRequest('send "prompt" or "messages", not both')
+    asked = await chat_request(context, request, document.get("model"))
     fields = TOKENIZE_CHAT.read(document)
     fields.value("add_special_tokens")
     fields.value("chat_template")
     chat = parsed_chat(
-        model, {name: document[name] for name in VLLM_CHAT_FIELDS if name in document}
+        asked.model, {name: document[name] for name in VLLM_CHAT_FIELDS if name in document}
     )
-    rendered = await rendered_chat(model, chat, deadline)
-    check_count(len(rendered.ids))
-    strings = tokenizer.token_strings(rendered.ids) if fields.value("return_token_strs") else None
+    ids = list((await listed_details(asked, chat, text=False))["prompt_ids"])
+    check_count(len(ids))
+    asks_strings = fields.value("return_token_strs")
     body = {
-        "count": len(rendered.ids),
-        "max_model_len": max_model_len,
-        "tokens": rendered.ids,
-        "token_strs": strings,
+        "count": len(ids),
+        "max_model_len": max_model_len(asked.model),
+        "tokens": ids,
+        "token_strs": asked.tokenizer.token_strings(ids) if asks_strings else None,
     }
-    return answer_within(body, largest)
+    return answer_within(body, context.settings.max_answer_bytes)
 
 
 async def tgi_chat_tokenized(
-    model: ServedModel,
-    tokenizer: ServerTokenizer,
-    document: Any,
-    deadline: float,
-    largest: int,
+    context: RouteContext, request: HttpRequest, document: Any
 ) -> HttpResponse:
     """TGI's /chat_tokenize: a chat completion's body rendered by the chat template, and
     that text's tokens with their byte offsets in it. As TGI lists them, they are the text
     tokenized (no special tokens added: the template wrote them); they differ from the ids
     the model reads only where a message spells out a control token, which the worker
     keeps as text."""
-    chat = parsed_chat(model, document)
-    rendered = await rendered_chat(model, chat, deadline)
-    text = rendered.text
+    name = document.get("model") if isinstance(document, dict) else None
+    asked = await chat_request(context, request, name)
+    chat = parsed_chat(asked.model, document)
+    text = str((await listed_details(asked, chat, text=True))["prompt_text"])
+    largest = context.settings.max_answer_bytes
     try:
-        listed = await tokenizer.tokenize([text], False, TokenBound(MAX_CHAT_TOKENS), largest)
+        bound = TokenBound(MAX_CHAT_TOKENS)
+        listed = await asked.tokenizer.tokenize([text], False, bound, largest)
     except TooManyTokens:
         raise UnprocessableInput(
             f"the chat is more than {MAX_CHAT_TOKENS} tokens, the most a listing lists"

@@ -126,13 +126,12 @@ def invocation_operation(
     if not routes:
         return None
     operations = [paths[path]["post"] for path in routes]
-    bodies: dict[str, list[dict[str, Any]]] = {}  # by media type (text/plain too)
-    for path, operation in zip(routes, operations, strict=True):
-        for media, spec in operation["requestBody"]["content"].items():
-            named = path.startswith(MODELS_PREFIX) and media == "application/json"
-            bodies.setdefault(media, []).append(
-                named_model(spec["schema"]) if named else spec["schema"]
-            )
+    bodies = [  # (every media type: text/plain too)
+        taking_model(operation["requestBody"]["content"])
+        if path.startswith(MODELS_PREFIX)
+        else operation["requestBody"]["content"]
+        for path, operation in zip(routes, operations, strict=True)
+    ]
     answers = [
         listed_answer(operation) if path == GENERATE else operation
         for path, operation in zip(routes, operations, strict=True)
@@ -145,16 +144,22 @@ def invocation_operation(
         "operationId": "post_invocations",
         "requestBody": {
             "required": True,
-            "content": {media: {"schema": any_of(found)} for media, found in bodies.items()},
+            "content": merged_content(bodies),
         },
         "responses": merged_responses([operation["responses"] for operation in answers]),
     }
 
 
-def named_model(schema: dict[str, Any]) -> dict[str, Any]:
-    """A body schema with the "model" field `/invocations` reads before the route does."""
+def taking_model(content: dict[str, Any]) -> dict[str, Any]:
+    """A body's `content` with the "model" field `/invocations` reads in its JSON before
+    the route does."""
+    json_body = content.get("application/json")
+    if json_body is None:
+        return content
+    schema = json_body["schema"]
     model = {"type": "string", "description": "The served model to use, by name"}
-    return {**schema, "properties": {**schema.get("properties", {}), "model": model}}
+    named = {**schema, "properties": {**schema.get("properties", {}), "model": model}}
+    return {**content, "application/json": {**json_body, "schema": named}}
 
 
 def any_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -163,18 +168,27 @@ def any_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
     return unique[0] if len(unique) == 1 else {"anyOf": unique}
 
 
+def merged_content(contents: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several bodies' `content` as one: per media type, any of their schemas."""
+    schemas: dict[str, list[dict[str, Any]]] = {}
+    for content in contents:
+        for media, spec in content.items():
+            schemas.setdefault(media, []).append(spec["schema"])
+    return {media: {"schema": any_of(found)} for media, found in schemas.items()}
+
+
 def merged_responses(listings: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each status's answers, of any of several operations: per media type, any of their
-    schemas (a status's description the first operation's)."""
-    merged: dict[str, Any] = {}
-    schemas: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    """Each status's answers, of any of several operations (`merged_content`; a status's
+    description the first operation's)."""
+    answers: dict[str, list[dict[str, Any]]] = {}
     for responses in listings:
         for status, answer in responses.items():
-            merged.setdefault(status, {"description": answer["description"]})
-            for media, spec in answer.get("content", {}).items():
-                schemas.setdefault((status, media), []).append(spec["schema"])
-    for (status, media), found in schemas.items():
-        merged[status].setdefault("content", {})[media] = {"schema": any_of(found)}
+            answers.setdefault(status, []).append(answer)
+    merged: dict[str, Any] = {}
+    for status, given in answers.items():
+        merged[status] = {"description": given[0]["description"]}
+        if content := merged_content([answer.get("content", {}) for answer in given]):
+            merged[status]["content"] = content
     return merged
 
 

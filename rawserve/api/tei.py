@@ -401,7 +401,9 @@ class TeiRoutes:
         document = read_json(request)
         if vllm_tokens.is_vllms(document):
             if document.get("messages") is not None:
-                return await self.vllm_chat_tokenize(request, document)
+                return await chat_tokens.vllm_chat_tokenized(
+                    self.context, request, document, model_length
+                )
             return await self.vllm_tokenize(document)
         fields = TOKENIZE.read(document)
         model = self.context.model_for(fields.get("model"), TOKENIZER)
@@ -456,24 +458,7 @@ class TeiRoutes:
         model = self.context.model_for(fields.get("model"), TOKENIZER)
         tokenizer = await self.tokenizer(model)
         largest = self.settings.max_answer_bytes
-        length = model.positions or input_limit(model)  # (0: the model names none)
-        return await vllm_tokens.tokenized(tokenizer, fields, length, largest)
-
-    async def vllm_chat_tokenize(self, request: HttpRequest, document: Any) -> HttpResponse:
-        """vLLM's /tokenize of a chat: its ids as the model's worker renders it."""
-        if document.get("prompt") is not None:
-            raise BadRequest('send "prompt" or "messages", not both')
-        name = document.get("model")
-        model = self.context.model_for(name, chat_tokens.CHAT_TOKENIZER, queued_for=request)
-        tokenizer = await self.tokenizer(model)
-        return await chat_tokens.vllm_chat_tokenized(
-            model,
-            tokenizer,
-            document,
-            self.context.deadline(request),
-            model.positions or input_limit(model),
-            self.settings.max_answer_bytes,
-        )
+        return await vllm_tokens.tokenized(tokenizer, fields, model_length(model), largest)
 
     async def detokenize(self, request: HttpRequest) -> HttpResponse:
         """vLLM's /detokenize: token ids as text."""
@@ -510,6 +495,12 @@ async def sentence_similarity(
     vectors = np.array([output["embedding"] for output in outputs], dtype=np.float64)
     # (unit vectors in float32: a cosine of 1.00000006 failed a client's math.acos)
     return answer([float(score) for score in np.clip(vectors[1:] @ vectors[0], -1, 1)], results)
+
+
+def model_length(model: ServedModel) -> int:
+    """A model's length as vLLM's /tokenize says it (`max_model_len`): its positions, or
+    where it names none, what /tokenize lists."""
+    return model.positions or input_limit(model)
 
 
 def input_limit(model: ServedModel) -> int:

@@ -227,14 +227,7 @@ class TgiRoutes:
         )
 
     async def chat_tokenize(self, request: HttpRequest) -> HttpResponse:
-        document = read_json(request)
-        name = document.get("model") if isinstance(document, dict) else None
-        model = self.context.model_for(name, chat_tokens.CHAT_TOKENIZER, queued_for=request)
-        tokenizer = await self.context.tokenizers.get(model)
-        assert tokenizer is not None  # (the route's need: a tokenizer in the server)
-        deadline = self.context.deadline(request)
-        largest = self.context.settings.max_answer_bytes
-        return await chat_tokens.tgi_chat_tokenized(model, tokenizer, document, deadline, largest)
+        return await chat_tokens.tgi_chat_tokenized(self.context, request, read_json(request))
 
     async def parse(self, request: HttpRequest) -> tuple[ServedModel, ParsedRequest]:
         """The generation model, and the body's prompt and checked parameters; a prompt

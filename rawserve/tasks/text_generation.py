@@ -43,9 +43,11 @@ API_SAMPLING = "api_sampling"
 TOKEN_COUNTS_ONLY = "token_counts_only"
 # Set by the server's chat token routes (vLLM's /tokenize with `messages`, TGI's
 # /chat_tokenize), never by a client: with max_new_tokens 0, nothing is run, and the
-# details list the prompt's ids (`prompt_ids`) and its text as the chat template wrote it
-# (`prompt_text`), whatever its length (a prompt listed is not one the model reads).
+# details list the prompt's ids (`prompt_ids`), whatever its length (a prompt listed is
+# not one the model reads); with PROMPT_TEXT (TGI's), its text as the chat template
+# wrote it too (`prompt_text`).
 PROMPT_LISTED = "prompt_listed"
+PROMPT_TEXT = "prompt_text"
 # Set by the server's OpenAI chat route, never by a client, where the operator keeps a
 # reasoning model's thinking in the content (--thinking-in-content): an answer a grammar
 # holds (tools, response_format) is held from its first token, as vLLM's without a

@@ -30,6 +30,7 @@ from rawserve.tasks.text_generation import (
     OPENED_IN_ANSWER,
     OPENED_IN_PROMPT,
     PROMPT_LISTED,
+    PROMPT_TEXT,
     PROMPT_TOP_N,
     REASONING_END,
     REASONING_START,
@@ -517,18 +518,14 @@ class CausalLMRunner(Runner):
             self.refuse_unreadable([ids])
         return ids
 
-    def prompt_text(self, item: Any, params: dict[str, Any], ids: list[int]) -> str:
-        """One prompt's text: a chat's as its template writes it (its `ids`, decoded,
-        where the template refuses to write the chat as plain text what it read with
-        its control tokens kept as text), a text as it came, ids decoded."""
-        if params.get(CHAT_PARAM):
-            try:
-                return self.chat.prompt_text(item)
-            except (WrittenForClients, ValueError):
-                return str(self.tokenizer.decode(ids))
-        if isinstance(item, list):
-            return str(self.tokenizer.decode(item))
-        return str(item)
+    def listed_text(self, chat: Any, ids: list[int]) -> str:
+        """A listed chat's text as its template writes it; its `ids` decoded where the
+        template refuses to write as plain text what it read with the chat's control
+        tokens kept as text."""
+        try:
+            return self.chat.prompt_text(chat)
+        except (WrittenForClients, ValueError):
+            return str(self.tokenizer.decode(ids))
 
     def whole_prompt_ids(self, item: Any, params: dict[str, Any]) -> list[int]:
         """One prompt's token ids: a text tokenized, a chat (`{"messages": [...]}`, OpenAI's)
@@ -788,7 +785,8 @@ class CausalLMRunner(Runner):
                 output["details"]["stops_from"] = begin
             if params.get(PROMPT_LISTED):  # the chat token routes' (nothing was run)
                 output["details"]["prompt_ids"] = list(prompt_ids)
-                output["details"]["prompt_text"] = self.prompt_text(prompt, params, prompt_ids)
+            if params.get(PROMPT_TEXT):
+                output["details"]["prompt_text"] = self.listed_text(prompt, prompt_ids)
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 # as columns: thousands of dicts would take the server's loop to unpickle
                 output["details"]["prefill"] = columns(prefill or [])
