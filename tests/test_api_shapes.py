@@ -1131,11 +1131,23 @@ def test_teis_embed_routes_take_texts_and_token_ids_mixed_as_tei_does(path, tiny
 
 
 class Scoring(Idle):
-    """A cross-encoder whose logit for a (query, text) pair is the text's length."""
+    """A cross-encoder whose logit for a (query, text) pair is the text's length, and
+    which counts a pair's characters as its tokens."""
 
     async def run(self, inputs, params, deadline, control=None):
         assert params.get("logits")
-        return [ItemResult([float(len(pair["text_pair"]))], 0.0, 1, 0.0) for pair in inputs]
+        return [
+            ItemResult(
+                {
+                    "logits": [float(len(pair["text_pair"]))],
+                    "tokens": len(pair["text"] + pair["text_pair"]),
+                },
+                0.0,
+                1,
+                0.0,
+            )
+            for pair in inputs
+        ]
 
 
 def reranked(path, document):
@@ -1157,6 +1169,7 @@ def test_the_rerank_of_cohere_jina_and_vllm_is_answered_in_their_shape(path):
     status, body = reranked(path, {**document, "top_n": 2})
     assert status == 200, body
     assert body["model"] == "m" and body["id"].startswith("rerank-")
+    assert body["usage"] == {"prompt_tokens": 12, "total_tokens": 12}  # vLLM's, Jina's
     results = body["results"]
     assert [(r["index"], r["document"]["text"]) for r in results] == [(1, "abcd"), (2, "abc")]
     assert results[0]["relevance_score"] == pytest.approx(1 / (1 + np.exp(-4.0)))

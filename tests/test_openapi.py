@@ -22,9 +22,19 @@ KINDS = {
     # name: (server arguments, paths its document must have, paths it must not)
     "embedding": (
         ["--max-client-batch-size", "4"],
-        {"/", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/v1/embeddings"},
+        {
+            "/",
+            "/embed",
+            "/embed_all",
+            "/similarity",
+            "/tokenize",
+            "/decode",
+            "/v1/embeddings",
+            "/score",
+        },
         {
             "/predict",
+            "/classify",
             "/rerank",
             "/v1/rerank",
             "/v1/chat/completions",
@@ -34,8 +44,9 @@ KINDS = {
     ),
     "classifier": (
         [],
-        {"/", "/predict", "/tokenize", "/decode"},
+        {"/", "/predict", "/tokenize", "/decode", "/classify", "/v1/classify"},
         {
+            "/score",
             "/embed",
             "/embed_all",
             "/similarity",
@@ -46,7 +57,7 @@ KINDS = {
     ),
     "reranker": (
         [],
-        {"/", "/predict", "/rerank", "/v1/rerank", "/v2/rerank", "/tokenize", "/decode"},
+        {"/", "/predict", "/rerank", "/v1/rerank", "/v2/rerank", "/tokenize", "/decode", "/score"},
         {"/embed"},
     ),
     "chat": (

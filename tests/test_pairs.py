@@ -103,7 +103,8 @@ def test_a_long_pair_is_scored_as_the_whole_texts_truncated(classifier):
         [found] = serving.run(
             [{"text": query, "text_pair": document}], {LOGITS_PARAM: True, "truncate": True}
         )
-    np.testing.assert_allclose(found, expected, atol=1e-5)
+    np.testing.assert_allclose(found["logits"], expected, atol=1e-5)
+    assert found["tokens"] == limit  # the pair cut to the model's length
     assert handed and max(handed) <= SLACK * limit + 1
 
 

@@ -135,8 +135,12 @@ def test_a_classifier_whose_tokenizer_has_no_pad_token_answers_each_input_as_alo
     assert _rounded(serving.run(texts, {"top_k": None})) == _rounded(
         [serving.pipe(text, top_k=None) for text in texts]
     )
-    logits = serving.run(texts, {LOGITS_PARAM: True})
-    assert len(logits) == 2 and not np.allclose(logits[0], logits[1])
+    outputs = serving.run(texts, {LOGITS_PARAM: True})
+    assert len(outputs) == 2 and not np.allclose(outputs[0]["logits"], outputs[1]["logits"])
+    # each text's tokens as the model read it, its special tokens in, its padding out
+    assert [output["tokens"] for output in outputs] == [
+        len(serving.pipe.tokenizer(text)["input_ids"]) for text in texts
+    ]
 
 
 def test_token_vectors_of_a_model_whose_tokenizer_has_no_pad_token(tiny_model, tmp_path):
@@ -3352,8 +3356,8 @@ def test_a_classifiers_logits_cut_a_long_text_on_the_side_asked(runner):
     [left] = serving.run([text], {**cut, "truncation_direction": "left"})
     [right] = serving.run([text], {**cut, "truncation_direction": "right"})
     [start] = serving.run(["paris is lovely " * 60], {**cut, "truncation_direction": "right"})
-    assert not np.allclose(left, right)
-    np.testing.assert_allclose(right, start, atol=1e-5)  # the start kept, as asked
+    assert not np.allclose(left["logits"], right["logits"])
+    np.testing.assert_allclose(right["logits"], start["logits"], atol=1e-5)  # the start kept
 
 
 def test_a_seq2seq_max_length_of_its_positions_plus_one_is_taken(runner):

@@ -32,6 +32,7 @@ from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import TeiRoutes
 from rawserve.api.tgi import TgiRoutes
+from rawserve.api.vllm_pooling import VllmPoolingRoutes
 from rawserve.http.auth import require_bearer
 from rawserve.http.cors import CorsPolicy
 from rawserve.http.errors import (
@@ -75,6 +76,7 @@ class App:
         self.openai = OpenAIRoutes(context)
         self.tei = TeiRoutes(context)
         self.tgi = TgiRoutes(context)
+        self.vllm_pooling = VllmPoolingRoutes(context)
         tei_routes = self.tei.routes()
         self.tei_paths = frozenset(route.path for route in tei_routes)
         self.operations = OperationsRoutes(context, metrics)
@@ -90,6 +92,7 @@ class App:
             *self.openai.routes(),
             *tei_routes,
             *self.tgi.routes(),
+            *self.vllm_pooling.routes(),
             Route("GET", "/openapi.json", self.openapi, openapi),
         ]
         self.routes: dict[str, dict[str, Handler]] = {}

@@ -86,6 +86,7 @@ from rawserve.api.served import ServedModel
 from rawserve.api.streaming import StreamEnd, TokenStream, event_stream, start_choices
 from rawserve.api.tei_bodies import details
 from rawserve.api.tokens import ServerTokenizers
+from rawserve.api.vllm_pooling import CLASSIFY_PATHS, SCORE_PATHS
 from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE
@@ -108,14 +109,18 @@ OPENAI_MODEL_PREFIX = "/v1/models/"
 # API's (InferenceClient appends them to a model's URL; its body's "model" is that URL)
 MODEL_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 ENCODING_FORMATS = ("float", "base64")
+VLLM_PATHS = frozenset((*CLASSIFY_PATHS, *SCORE_PATHS))  # vLLM's routes outside /v1/
 # what answers a generation route's body once the model is known: `chat` or `complete`
 Answering = Callable[[HttpRequest, ServedModel, Any], Awaitable[HttpResponse]]
 
 
 def speaks_openai(path: str) -> bool:
-    """Whether a path is one of the OpenAI routes, whose errors are OpenAI's object."""
-    return path.startswith(OPENAI_PREFIX) or (
-        path.startswith(MODELS_PREFIX) and path.endswith(MODEL_GENERATION_PATHS)
+    """Whether a path is one of the OpenAI routes, whose errors are OpenAI's object (and
+    vLLM's own, which answer errors as its OpenAI routes do)."""
+    return (
+        path.startswith(OPENAI_PREFIX)
+        or path in VLLM_PATHS
+        or (path.startswith(MODELS_PREFIX) and path.endswith(MODEL_GENERATION_PATHS))
     )
 
 

@@ -37,6 +37,8 @@ class Needs:
     # a worker ready; else the server's own copy of the tokenizer is enough (/tokenize and
     # /decode answer while a worker restarts: the tokenizer came with the first load)
     worker: bool = True
+    # fits where any of these fits (vLLM's /score: a cross-encoder, or dense vectors)
+    any_of: tuple[Needs, ...] = ()
 
     def missing(self, model: ServedModel) -> str | None:
         """Why `model` cannot serve the route (a 404's message), or None when it can or
@@ -60,6 +62,9 @@ class Needs:
         requests of a route that another, ready, model fits)."""
         loaded = model.serving.loaded
         task = loaded.task if loaded is not None else model.facts.get("task")
+        if self.any_of:  # the reason of the one of the model's task, where one is
+            reasons = [(task in needs.tasks, needs.unfit(model)) for needs in self.any_of]
+            return None if any(r is None for _, r in reasons) else max(reasons)[1]
         serves = f"{model.name!r} serves {task}"
         if self.tasks and isinstance(task, str) and task not in self.tasks:
             return serves

@@ -90,12 +90,22 @@ def ranked(score: str, text: str, text_schema: Schema) -> Schema:
 
 TEI_RERANK_RESPONSE = ranked("score", "text", {"type": "string"})
 RANKED_TEXT = {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}
+USAGE: Schema = {
+    "type": "object",
+    "required": ["prompt_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer", "minimum": 0},
+        "completion_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+    },
+}
 RERANK_DOCUMENTS_RESPONSE: Schema = {
     "type": "object",
-    "required": ["id", "model", "results"],
+    "required": ["id", "model", "usage", "results"],
     "properties": {
         "id": {"type": "string"},
         "model": {"type": "string"},
+        "usage": USAGE,
         "results": ranked("relevance_score", "document", RANKED_TEXT),
     },
 }
@@ -188,15 +198,6 @@ TEXT: Schema = {"type": "string"}
 DOCUMENT: Schema = {"type": "object", "required": ["openapi", "paths"]}
 
 
-USAGE: Schema = {
-    "type": "object",
-    "required": ["prompt_tokens", "total_tokens"],
-    "properties": {
-        "prompt_tokens": {"type": "integer", "minimum": 0},
-        "completion_tokens": {"type": "integer", "minimum": 0},
-        "total_tokens": {"type": "integer", "minimum": 0},
-    },
-}
 OPENAI_EMBEDDINGS_RESPONSE: Schema = {
     "type": "object",
     "required": ["object", "data", "model", "usage"],

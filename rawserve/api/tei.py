@@ -322,7 +322,8 @@ class TeiRoutes:
         results = await model.run(items, params, self.context.deadline(request))
         labels = labels_of(model)
         predictions = [
-            predictions_from(scores(output, raw_scores), labels) for output in unwrap_all(results)
+            predictions_from(scores(output["logits"], raw_scores), labels)
+            for output in unwrap_all(results)
         ]
         return answer(predictions if is_batch else predictions[0], results)
 
@@ -370,7 +371,13 @@ class TeiRoutes:
             if fields.value("return_documents"):
                 result["document"] = {"text": texts[index]}
             ranked.append(result)
-        body = {"id": f"rerank-{uuid.uuid4().hex}", "model": model.name, "results": ranked}
+        tokens = sum(output["tokens"] for output in unwrap_all(results))
+        body = {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "model": model.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},  # (vLLM's, Jina's)
+            "results": ranked,
+        }
         return answer(body, results)
 
     async def relevance(
@@ -391,7 +398,8 @@ class TeiRoutes:
         pairs = [{"text": query, "text_pair": text} for text in texts]
         params = {LOGITS_PARAM: True, **truncation(fields)}
         results = await model.run(pairs, params, self.context.deadline(request))
-        return [float(scores(output, raw_scores)[0]) for output in unwrap_all(results)], results
+        outputs = unwrap_all(results)
+        return [float(scores(output["logits"], raw_scores)[0]) for output in outputs], results
 
     # --- the tokenizer ----------------------------------------------------------------
 

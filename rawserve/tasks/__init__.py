@@ -33,7 +33,7 @@ from rawserve.tasks.rules import (
     UnservedParameter,
 )
 from rawserve.tasks.seq2seq import GENERATE_PARAMS, SEQ2SEQ_TASKS
-from rawserve.tasks.text_classification import LOGITS_PARAM
+from rawserve.tasks.text_classification import LOGITS_PARAM, TRUNCATE_TO
 from rawserve.tasks.text_generation import CHAT_PARAM
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "LOGITS_PARAM",
     "SEQ2SEQ_TASKS",
     "TASKS",
+    "TRUNCATE_TO",
     "InvalidRequest",
     "SingleAnswer",
     "Task",

@@ -22,6 +22,9 @@ from rawserve.tasks.rules import SingleAnswer, Task
 # allowed name): the worker answers each input's logits as a float32 row, and the server
 # turns them into scores and labels.
 LOGITS_PARAM = "logits"
+# Set beside it by vLLM's routes (`truncate_prompt_tokens`), with `truncate`: each input cut
+# to this many tokens (special tokens included), fewer than the model's length.
+TRUNCATE_TO = "truncate_to"
 
 
 @checker(

@@ -19,9 +19,10 @@ from rawserve.models.sentence_folder import (
     sentence_transformers_reading,
 )
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
+from rawserve.tasks import TRUNCATE_TO
 from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.dense_layers import load_dense_layers
-from rawserve.worker.long_texts import encode_cut, narrowed_texts
+from rawserve.worker.long_texts import cut_limit, encode_cut, narrowed_texts, refuse_no_room
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import (
@@ -141,12 +142,15 @@ class EncoderRunner(Runner):
         preparing thread's own)."""
         tokenizer.truncation_side = params.get("truncation_direction", "right")
         truncate = params.get("truncate", True)
-        reading = {"truncation": truncate, "max_length": self.max_length if truncate else None}
+        limit = cut_limit(params, self.max_length)
+        reading = {"truncation": truncate, "max_length": limit if truncate else None}
+        if truncate and TRUNCATE_TO in params:
+            refuse_no_room(tokenizer, params[TRUNCATE_TO], [None])
         texts = [
             text.lower() if self.lowercase and isinstance(text, str) else text for text in inputs
         ]
         # a long text cut first where it is truncated (`long_texts`), never where it is refused
-        cut = narrowed_texts(tokenizer, texts, self.max_length) if truncate else texts
+        cut = narrowed_texts(tokenizer, texts, limit) if truncate else texts
         mixed = any(isinstance(item, list) for item in inputs)
 
         def encode(items: list[Any]) -> Any:
@@ -155,7 +159,7 @@ class EncoderRunner(Runner):
                 return tokenizer.pad(rows, padding=True, return_tensors="pt")
             return tokenizer(items, padding=True, return_tensors="pt", **reading)
 
-        encoded = encode_cut(encode, texts, cut, self.max_length)
+        encoded = encode_cut(encode, texts, cut, limit)
         self.refuse_unreadable(encoded["input_ids"], tokenizer)
         length = encoded["input_ids"].shape[1]
         if length > self.max_length:
@@ -178,9 +182,10 @@ class EncoderRunner(Runner):
                 f"to {self.vocabulary - 1})"
             )
         ids = item
-        if reading["truncation"] and len(ids) > self.max_length:
+        limit = reading["max_length"]
+        if reading["truncation"] and len(ids) > limit:
             keep_end = tokenizer.truncation_side == "left"
-            ids = ids[-self.max_length :] if keep_end else ids[: self.max_length]
+            ids = ids[-limit:] if keep_end else ids[:limit]
         row = {"input_ids": ids, "attention_mask": [1] * len(ids)}
         if "token_type_ids" in tokenizer.model_input_names:
             row["token_type_ids"] = [0] * len(ids)

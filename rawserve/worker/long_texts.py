@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from rawserve.tasks import TRUNCATE_TO
 from rawserve.tasks.windows import COUNT_MARGIN, PIECE_CHARS, span_past
 from rawserve.worker.window_counts import piece_counter
 
@@ -56,3 +57,26 @@ def encode_cut(
 def narrowed_at(texts: Sequence[Any], cut: Sequence[Any]) -> list[int]:
     """Where `cut` holds a text narrowed (another object than the text)."""
     return [index for index, (a, b) in enumerate(zip(texts, cut, strict=True)) if a is not b]
+
+
+def refuse_no_room(tokenizer: Any, limit: int, seconds: list[str | None]) -> None:
+    """ValueError (a 422) where a cut to `limit` tokens leaves no room for any of an
+    input's text beside the special tokens the tokenizer adds (the tokenizer cut such a
+    pair to nothing of either text, or refused it with a log line and kept it whole)."""
+    for pair in sorted({second is not None for second in seconds}):
+        special = tokenizer.num_special_tokens_to_add(pair=pair)
+        if limit <= special + pair:
+            texts = "each text of a pair" if pair else "a text"
+            raise ValueError(
+                f"a cut to {limit} tokens leaves no room for {texts} beside the model's "
+                f"{special} special tokens"
+            )
+
+
+def cut_limit(params: dict[str, Any], max_length: Any) -> Any:
+    """The most tokens an input is cut to: the model's length (`max_length`; None where
+    the model names none), or fewer where the request asks (`TRUNCATE_TO`)."""
+    asked = params.get(TRUNCATE_TO)
+    if asked is None:
+        return max_length
+    return asked if max_length is None else min(asked, max_length)

@@ -14,10 +14,10 @@ import torch
 import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, FailureKind, ItemFailure, ModelLimits
-from rawserve.tasks import LOGITS_PARAM, split_outputs
+from rawserve.tasks import LOGITS_PARAM, TRUNCATE_TO, split_outputs
 from rawserve.worker.cuda_graphs import GraphedForward, recording
 from rawserve.worker.images import blank_image, decode_image
-from rawserve.worker.long_texts import encode_cut, narrowed
+from rawserve.worker.long_texts import cut_limit, encode_cut, narrowed, refuse_no_room
 from rawserve.worker.model_classes import TASK_CLASSES, load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.pairs import cut_pair, cut_text
@@ -364,26 +364,29 @@ class PipelineRunner(Runner):
         return [{"label": labels[int(row.argmax())], "score": float(row.max())} for row in scores]
 
     def _logits(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
-        """Each text's (or text pair's) logits, one float32 row per input, for TEI's
-        /predict and /rerank (the server turns them into scores and labels)."""
+        """Each text's (or text pair's) logits, a float32 row, and its count of tokens as
+        the model read them (`{"logits", "tokens"}`), for TEI's /predict and /rerank and
+        vLLM's /classify and /score (the server turns them into scores and labels, and
+        the counts into `usage`)."""
         tokenizer = self.pipe.tokenizer
         truncate = params.get("truncate", False)
         tokenizer.truncation_side = params.get("truncation_direction", "right")
-        options: dict[str, Any] = {"truncation": truncate, "max_length": self.max_length}
+        limit = cut_limit(params, self.max_length)
+        options: dict[str, Any] = {"truncation": truncate, "max_length": limit}
         if not truncate:
             options = {}
         firsts = [item if isinstance(item, str) else item["text"] for item in inputs]
         seconds = [None if isinstance(item, str) else item.get("text_pair") for item in inputs]
-        if truncate and self.max_length is not None:  # (without, a long pair is refused)
+        if truncate and TRUNCATE_TO in params:
+            refuse_no_room(tokenizer, params[TRUNCATE_TO], seconds)
+        if truncate and limit is not None:  # (without, a long pair is refused)
             for index, (first, second) in enumerate(zip(firsts, seconds, strict=True)):
                 if second is not None:
-                    firsts[index], seconds[index] = cut_pair(
-                        tokenizer, first, second, self.max_length
-                    )
+                    firsts[index], seconds[index] = cut_pair(tokenizer, first, second, limit)
         cut = firsts
-        if truncate and self.max_length is not None:  # a long single text cut first
+        if truncate and limit is not None:  # a long single text cut first
             cut = [
-                narrowed(tokenizer, first, self.max_length) if second is None else first
+                narrowed(tokenizer, first, limit) if second is None else first
                 for first, second in zip(firsts, seconds, strict=True)
             ]
 
@@ -396,17 +399,20 @@ class PipelineRunner(Runner):
             alone = [tokenizer(a, b, **options) for a, b in zip(texts, seconds, strict=True)]
             return tokenizer.pad(alone, return_tensors="pt")
 
-        encoded = encode_cut(encode, firsts, cut, self.max_length or 0)
+        encoded = encode_cut(encode, firsts, cut, limit or 0)
         length = encoded["input_ids"].shape[1]
         if self.max_length is not None and length > self.max_length:
             raise ValueError(
                 f"the input is {length} tokens and the model takes at most {self.max_length}: "
                 "send truncate: true to cut it"
             )
+        mask = encoded.get("attention_mask")
+        counts = mask.sum(dim=1).tolist() if mask is not None else [length] * len(inputs)
         encoded = encoded.to(self.pipe.device)
         with torch.inference_mode():
             logits = self._forward_logits(encoded)
-        return list(logits.float().cpu().numpy())
+        rows = list(logits.float().cpu().numpy())
+        return [{"logits": row, "tokens": int(n)} for row, n in zip(rows, counts, strict=True)]
 
     def _forward_logits(self, encoded: Any) -> Any:
         """The model's logits for tensors on its device: replayed where a graph fits."""
