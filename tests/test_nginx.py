@@ -290,6 +290,9 @@ def test_nginxs_own_errors_are_json_and_rawserves_413_reaches_the_client(start_c
     assert status == 413 and body["error"]["code"] == "payload_too_large", body
     status, _, body = post_raw(cluster, b"hello", "/embeddings")
     assert status == 503 and body["error"]["message"].startswith("no replica could take")
+    for path in ("/classify", "/score"):  # vLLM's, whose errors are its OpenAI routes'
+        status, _, body = post_raw(cluster, b"hello", path)
+        assert status == 503 and body["error"]["message"].startswith("no replica could take")
 
 
 def test_nginx_and_rawserve_log_one_id_for_each_request(start_cluster):
