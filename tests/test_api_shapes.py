@@ -508,6 +508,23 @@ def test_the_document_of_every_task_validates(task):
     assert document["paths"]["/health"]["get"]["security"] == []
 
 
+@pytest.mark.parametrize(
+    ("task", "raw"),
+    [
+        ("image-classification", {"image/*", "application/octet-stream"}),
+        ("text-classification", {"text/plain"}),
+        ("custom", {"text/plain"}),
+    ],
+)
+def test_the_document_says_which_raw_bodies_post_takes(task, raw):
+    """An image model takes its image's bytes as the body (`curl --data-binary
+    @cat.png`), not a text: /openapi.json listed JSON and text/plain for it."""
+    document = json.loads(asyncio.run(app_for(task).openapi(get("/openapi.json"))).body)
+    for path in ("/", "/models/m"):
+        content = document["paths"][path]["post"]["requestBody"]["content"]
+        assert set(content) == {"application/json", *raw}
+
+
 def test_preflight_and_answers_for_an_allowed_origin():
     app = app_for("custom", tokenizer=None, cors_allow_origins=("https://a.example",))
     preflight = HttpRequest(

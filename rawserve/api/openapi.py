@@ -19,6 +19,7 @@ from rawserve.api.openai import speaks_openai
 from rawserve.api.routing import DocContext, Route
 from rawserve.api.schemas import ERROR, OPENAI_ERROR, TEXT
 from rawserve.api.served import ServedModel
+from rawserve.tasks import task_rules
 
 OPENAPI_VERSION = "3.1.0"
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -82,11 +83,22 @@ def describe(route: Route, context: DocContext, api_key: bool) -> dict[str, Any]
     if operation.request is not None:
         body = {"application/json": {"schema": operation.request(context)}}
         if operation.text_body:  # `curl -d`: the whole body is one input
-            body["text/plain"] = {"schema": TEXT}
+            body.update(raw_bodies(context.model.task))
         described["requestBody"] = {"required": True, "content": body}
     if api_key:
         described["security"] = [{"apiKey": []}] if route.secured else []
     return described
+
+
+def raw_bodies(task: str | None) -> dict[str, Any]:
+    """What a route that takes a raw body (`POST /`) takes besides JSON for `task`: an
+    image model's image, its bytes (any type but JSON: `curl --data-binary @cat.png`);
+    else a text."""
+    rules = task_rules(task) if task else None
+    if rules is not None and rules.binary_input:
+        image = {"description": "the image's bytes: PNG, JPEG, GIF, BMP, WebP..."}
+        return {"image/*": {"schema": image}, "application/octet-stream": {"schema": image}}
+    return {"text/plain": {"schema": TEXT}}
 
 
 def answer(status: int, content: dict[str, Any]) -> dict[str, Any]:
