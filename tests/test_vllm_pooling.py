@@ -199,3 +199,23 @@ def test_vllms_rerank_counts_the_tokens_of_its_pairs(server, local):
     assert status == 200, body
     _, tokens = logits_of(local, RERANKER, ["where is paris"] * 2, documents)
     assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def test_openais_embeddings_take_vllms_truncate_prompt_tokens(server, tiny_model):
+    """vLLM's clients send `truncate_prompt_tokens` to /v1/embeddings too (the openai
+    SDK's `extra_body`): it was 400, an unknown field. The vector is that of the text's
+    first N tokens, special tokens included, sent as ids."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model(EMBEDDER))
+    ids = tokenizer(LONG, truncation=True, max_length=6)["input_ids"]
+    document = {"model": EMBEDDER, "input": [LONG], "truncate_prompt_tokens": 6}
+    status, cut = server.post_json(document, "/v1/embeddings")
+    assert status == 200, cut
+    status, sent = server.post_json({"model": EMBEDDER, "input": [ids]}, "/v1/embeddings")
+    assert status == 200, sent
+    assert cut["usage"]["prompt_tokens"] == 6 == sent["usage"]["prompt_tokens"]
+    expected = sent["data"][0]["embedding"]
+    assert cut["data"][0]["embedding"] == pytest.approx(expected, abs=1e-5)
+    status, body = server.post_json({**document, "truncate_prompt_tokens": 0}, "/v1/embeddings")
+    assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens", body

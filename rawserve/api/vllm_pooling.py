@@ -263,22 +263,30 @@ class VllmPoolingRoutes:
         """The worker's parameters of `truncate_prompt_tokens`; without it, 422 for an
         input longer than the model takes, before it is queued (`name`: its field)."""
         keep = fields.value(TRUNCATE_PROMPT_TOKENS)
-        positions = model.positions
         if keep is None:
             says = f"the model takes at most {{limit}}: send {TRUNCATE_PROMPT_TOKENS} to cut it"
             names = [item_name(f'"{name}"', index, len(inputs)) for index in range(len(inputs))]
             await check_input_lengths(self.context.tokenizers, model, inputs, says, names)
             return {"truncate": False}
-        if keep == 0:
-            raise BadRequest(f'"{TRUNCATE_PROMPT_TOKENS}" must be -1 or a count of tokens above 0')
-        if positions > 0 and keep > positions:
-            raise BadRequest(
-                f'"{TRUNCATE_PROMPT_TOKENS}" is {keep}, more than the model\'s length '
-                f"({positions} tokens)",
-                param=TRUNCATE_PROMPT_TOKENS,
-            )
-        cut_to = {} if keep == -1 or keep == positions else {TRUNCATE_TO: keep}
-        return {"truncate": True, **cut_to}
+        return {"truncate": True, **cut_to(model, keep)}
+
+
+def cut_to(model: ServedModel, keep: int) -> dict[str, Any]:
+    """The worker's parameter of a `truncate_prompt_tokens` of -1 (none: the model's
+    length) or N tokens; 400 for 0, or more than the model's length."""
+    positions = model.positions
+    if keep == 0:
+        raise BadRequest(
+            f'"{TRUNCATE_PROMPT_TOKENS}" must be -1 or a count of tokens above 0',
+            param=TRUNCATE_PROMPT_TOKENS,
+        )
+    if positions > 0 and keep > positions:
+        raise BadRequest(
+            f'"{TRUNCATE_PROMPT_TOKENS}" is {keep}, more than the model\'s length '
+            f"({positions} tokens)",
+            param=TRUNCATE_PROMPT_TOKENS,
+        )
+    return {} if keep == -1 or keep == positions else {TRUNCATE_TO: keep}
 
 
 def sides(fields: Fields, context: DocContext) -> tuple[tuple[str, list[str]], ...]:
