@@ -824,11 +824,19 @@ class HttpProtocol(asyncio.Protocol):
         fields = fixed_fields(response.content_type, headers, None, close)
         fields += request_fields(response, cycle.request_id, cycle.started)
         sent = 0
+        written = 0  # bytes of the answer written, its framing too
+
+        def taken() -> int:
+            return written - self._unsent()  # (grows as the client reads, only then)
+
+        if response.on_stream_start is not None:
+            response.on_stream_start(taken)
         # what the client leaves unread waits where it counts
         bound_unsent(self.transport, STREAM_UNSENT_BYTES)
         try:
             head = self.conn.send(h11_head(response.status, fields))
             self._write(head)
+            written += len(head or b"")
             self.last_request_id = cycle.request_id  # (its access line comes at its end)
             framed = body_framing(head or b"")
             if not cycle.is_head:
@@ -836,7 +844,9 @@ class HttpProtocol(asyncio.Protocol):
                     if self.phase is not Phase.RESPONDING:
                         return
                     if chunk:
-                        self._write(framed(chunk))
+                        data = framed(chunk)
+                        self._write(data)
+                        written += len(data)
                         sent += len(chunk)
                     await self._flow.drain()
             if self.phase is not Phase.RESPONDING:
@@ -859,7 +869,11 @@ class HttpProtocol(asyncio.Protocol):
             await _close_stream(response)  # stops the producer (e.g. generation) if we left
             if self.phase is Phase.RESPONDING:  # the connection goes on to other answers
                 bound_unsent(self.transport, ANSWER_UNSENT_BYTES)
-        self._finish_cycle(close)
+        # a stream begun before the server began to drain said nothing of a close: its
+        # connection closes at its end all the same, before a pooled client sends on it
+        # (the drain's end would close it under that request), unless one came already
+        drained = self.app.draining and not self.conn.trailing_data[0]
+        self._finish_cycle(close or drained)
 
     def _start_response(self, cycle: Cycle) -> bool:
         """Mark the one response of `cycle` as started; False (and close) if it already was."""

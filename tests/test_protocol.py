@@ -3023,6 +3023,34 @@ async def test_while_draining_every_answer_says_the_connection_closes():
     assert probe_transport.finished
 
 
+@pytest.mark.parametrize("draining", [True, False])
+async def test_a_stream_begun_before_a_drain_closes_its_connection_at_its_end(draining):
+    """Its head went out before the drain began, saying nothing of a close: the
+    connection was kept after the stream ended, and a pooled client sending its next
+    request on it got a 503, or a reset as the drain ended a moment later (a tester)."""
+    gate = asyncio.Event()
+
+    async def tokens():
+        yield b"data: 0\n\n"
+        await gate.wait()
+        yield b"data: 1\n\n"
+
+    class StreamApp(FakeApp):
+        async def handle(self, request):
+            return HttpResponse(200, content_type="text/event-stream", stream=tokens())
+
+    app = StreamApp()
+    protocol, transport = connected_to(app)
+    protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    assert b"connection: close" not in transport.written.lower()
+    app.draining = draining  # a stop signal, while the stream runs
+    gate.set()
+    await settle()
+    assert b"data: 1" in transport.written and transport.written.endswith(b"0\r\n\r\n")
+    assert transport.finished is draining
+
+
 def test_reason_phrases_are_rfc_9110s():
     assert [reason(s) for s in (200, 413, 416, 422, 503, 299)] == [
         "OK",

@@ -127,6 +127,9 @@ class TokenStream:
         # its TokenChunks, then None once its request has finished
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.reads = 0  # the chunks its writer has taken
+        # bytes of the stream its client has taken (`watched`): its writer waits for room
+        # while a slow client reads what was written, and takes no chunk meanwhile
+        self.client_took: Callable[[], int] = lambda: 0
         self.unread_check: asyncio.TimerHandle | None = None
         self.overflowed = False
         self.closed = False
@@ -154,16 +157,24 @@ class TokenStream:
         self.queue.put_nowait(chunk)
         if self.queue.qsize() >= STREAM_BUFFER_TOKENS and self.unread_check is None:
             loop = asyncio.get_running_loop()
-            self.unread_check = loop.call_later(UNREAD_SECONDS, self._check_unread, self.reads)
+            read = (self.reads, self.client_took())
+            self.unread_check = loop.call_later(UNREAD_SECONDS, self._check_unread, read)
 
-    def _check_unread(self, reads: int) -> None:
-        """Stop the stream if its writer took nothing since `reads`, with the buffer full
-        and its generation still running (one that has finished holds no worker, and its
-        tokens are bounded: its client, back from a pause, reads them whole)."""
+    def watched(self, client_took: Callable[[], int]) -> None:
+        """Told, as its answer starts, how to ask what its client has taken of it."""
+        self.client_took = client_took
+
+    def _check_unread(self, read: tuple[int, int]) -> None:
+        """Stop the stream if neither its writer nor its client took anything since
+        `read` (its writer's chunks, its client's bytes), with the buffer full and its
+        generation still running (one that has finished holds no worker, and its tokens
+        are bounded: its client, back from a pause, reads them whole). A client reading
+        slower than the tokens come is stopped only at `STREAM_HOLD_TOKENS`."""
         self.unread_check = None
         if self.run.done():
             return
-        if self.reads == reads and self.queue.qsize() >= STREAM_BUFFER_TOKENS:
+        unread = read == (self.reads, self.client_took())
+        if unread and self.queue.qsize() >= STREAM_BUFFER_TOKENS:
             self._overflow()
 
     def _overflow(self) -> None:
@@ -362,6 +373,10 @@ def event_stream(
         for stream in streams:
             stream.release()
 
+    def watched(taken: Callable[[], int]) -> None:
+        for stream in streams:
+            stream.watched(taken)
+
     # a first token that did not come within the interval: the head goes with a comment
     # (else the first came only after a second interval of silence)
     waited = bool(streams) and not streams[0].started
@@ -373,6 +388,7 @@ def event_stream(
         content_type="text/event-stream",
         stream=events if keepalive is None else kept_alive(events, keepalive, waited),
         on_stream_close=close,
+        on_stream_start=watched,
     )
 
 

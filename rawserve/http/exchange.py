@@ -40,3 +40,7 @@ class HttpResponse:
     # its first step runs none of its code (a `finally` in it never runs), as where the
     # client left between the answer's making and its sending.
     on_stream_close: Callable[[], None] | None = None
+    # Given, as the stream starts, what says how many of its bytes the client has taken
+    # so far: the producer tells a client reading slowly (the writer waiting for room
+    # meanwhile) from one reading nothing.
+    on_stream_start: Callable[[Callable[[], int]], None] | None = None
