@@ -10,6 +10,7 @@ import gzip
 import json
 import logging
 import re
+import resource
 import socket
 import ssl
 import time
@@ -1439,6 +1440,32 @@ def test_the_open_files_limit_is_raised_for_the_connections_and_the_process_s_ow
     monkeypatch.setattr(open_files.resource, "setrlimit", lambda which, to: calls.append(to))
     open_files.raise_open_files_limit(2000)
     assert calls == ([] if raised is None else [raised])
+
+
+@pytest.mark.parametrize(
+    ("limits", "raised"),
+    [
+        ((1024, 20000), (20000, 20000)),
+        ((1024, resource.RLIM_INFINITY), (1_048_576, resource.RLIM_INFINITY)),
+        ((20000, 20000), None),
+    ],
+)
+def test_no_connection_cap_raises_the_open_files_limit_to_the_hard_one(
+    monkeypatch, caplog, limits, raised
+):
+    """`--max-connections 0` left a shell's soft limit as it was: "no cap" served 177
+    of 400 connections under a soft limit of 200, resetting the rest without a word,
+    where the default cap raised it and served all (a tester)."""
+    from rawserve.ops import open_files
+
+    calls = []
+    monkeypatch.setattr(open_files.resource, "getrlimit", lambda which: limits)
+    monkeypatch.setattr(open_files.resource, "setrlimit", lambda which, to: calls.append(to))
+    with caplog.at_level("INFO", logger="rawserve"):
+        open_files.raise_open_files_limit(0)
+    assert calls == ([] if raised is None else [raised])
+    [line] = [record.getMessage() for record in caplog.records]
+    assert f"up to its open files limit ({(raised or limits)[0]:,}" in line
 
 
 async def test_a_refusal_the_open_files_limit_leaves_no_room_for_is_reset_at_once():

@@ -30,6 +30,9 @@ from rawserve.http.limits import OWN_FILES
 log = logging.getLogger("rawserve")
 
 STANDARD_DESCRIPTORS = (0, 1, 2)
+# what "no cap" raises the open files limit to where the hard limit is unlimited (Linux's
+# default most a process may have, fs.nr_open)
+NO_CAP_FILES = 1_048_576
 
 
 def open_standard_descriptors() -> None:
@@ -44,9 +47,10 @@ def open_standard_descriptors() -> None:
 
 
 def raise_open_files_limit(connections: int) -> None:
-    """Make room for `connections` open connections in each process (0: no cap, nothing
-    to make room for); warn where the hard limit does not allow it."""
+    """Make room for `connections` open connections in each process (0: no cap: as many
+    as the hard limit allows); warn where the hard limit does not allow it."""
     if not connections:
+        raise_for_no_cap()
         return
     needed = connections + OWN_FILES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -70,3 +74,25 @@ def raise_open_files_limit(connections: int) -> None:
             target,
             connections,
         )
+
+
+def raise_for_no_cap() -> None:
+    """With no connection cap the open files limit is the only bound: the soft limit
+    raised to the hard one (left at a shell's 1024, "no cap" took fewer connections than
+    the default cap's 1000 did, and reset the rest without a word), and the log says it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = NO_CAP_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit to %d: %s", target, exc)
+        else:
+            soft = target
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft:,}"
+    log.info(
+        "--max-connections 0: each process takes connections up to its open files limit "
+        "(%s, ulimit -n, less its own files); past it new connections are reset, not "
+        "answered",
+        shown,
+    )
