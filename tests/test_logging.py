@@ -148,6 +148,27 @@ def test_a_workers_prints_are_json_lines_too(json_lines):
     ]
 
 
+def test_bytes_a_worker_writes_to_its_streams_buffer_are_its_lines_too(json_lines):
+    """`sys.stdout.buffer.write()`, the usual way to write UTF-8 whatever the locale, went
+    to the log's stream raw: a client's text a handler wrote that way started a forged
+    record of its own and broke a JSON log (two testers)."""
+    from rawserve.shared.logs import LinesToLog
+
+    raw = io.StringIO()
+    out = LinesToLog(logging.getLogger("stdout"), logging.INFO, raw)
+    forged = '{"level":"ERROR","logger":"rawserve","message":"FORGED"}'
+    out.buffer.write(f"A\n{forged}\n".encode())
+    out.buffer.write("h\u00e9".encode()[:2])  # a character cut between two writes
+    out.buffer.write("h\u00e9".encode()[2:] + b" \xff\n")
+    out.buffer.flush()
+    assert raw.getvalue() == ""  # nothing reaches the stream but through the log
+    assert [(d["logger"], d["message"]) for d in json_lines()] == [
+        ("stdout", "A"),
+        ("stdout", forged),
+        ("stdout", "h\u00e9 \ufffd"),
+    ]
+
+
 @pytest.mark.parametrize(("log_format", "swapped"), [("json", True), ("text", True)])
 def test_a_worker_s_standard_streams_log_their_lines_in_either_format(
     restore_logging, monkeypatch, log_format, swapped
@@ -198,7 +219,7 @@ def test_a_worker_s_streams_are_streams_and_take_a_progress_bar_in_linear_time()
 
     raw = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
     stream = LinesToLog(Logger(), logging.INFO, raw)  # type: ignore[arg-type]
-    assert stream.encoding == "utf-8" and stream.buffer is raw.buffer
+    assert stream.encoding == "utf-8" and stream.buffer.writable()  # (its lines: below)
     stream.reconfigure(line_buffering=True)
     for step in range(80_000):
         stream.write(f"\r{step}")

@@ -10,6 +10,7 @@ h11 or torch.
 
 from __future__ import annotations
 
+import codecs
 import datetime
 import io
 import json
@@ -367,6 +368,7 @@ class LinesToLog(io.TextIOBase):
         # RecursionError that took the worker down (another thread's lines are lines of
         # the log, as ever)
         self.logging: set[int] = set()
+        self.buffer = BytesToLines(self)
 
     def write(self, text: str) -> int:
         # (a progress bar's writes end in "\r": each a line; a line's start held no longer
@@ -400,12 +402,34 @@ class LinesToLog(io.TextIOBase):
         return str(getattr(self.stream, "encoding", None) or "utf-8")
 
     def __getattr__(self, name: str) -> Any:
-        # what a stream has beside text lines (`buffer`, `reconfigure`, `errors`): the
-        # stream's own, written as it is (a C library's writes are, too)
+        # what a stream has beside text lines (`reconfigure`, `errors`): the stream's own
         return getattr(self.stream, name)
 
     def fileno(self) -> int:
         return self.stream.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+
+class BytesToLines(io.RawIOBase):
+    """A `LinesToLog`'s `buffer`: bytes written to it (`sys.stdout.buffer.write`, the
+    usual way to write UTF-8 whatever the locale) are decoded and become its lines as
+    its text does; they went to the log's stream raw, where a client's text a handler
+    wrote started a line of its own (a forged record) and broke a JSON log."""
+
+    def __init__(self, lines: LinesToLog):
+        super().__init__()
+        self.lines = lines
+        self.decoder = codecs.getincrementaldecoder(lines.encoding)("replace")
+
+    def write(self, data: Any) -> int:
+        written = bytes(data)
+        self.lines.write(self.decoder.decode(written))
+        return len(written)
+
+    def fileno(self) -> int:
+        return self.lines.fileno()
 
     def writable(self) -> bool:
         return True
