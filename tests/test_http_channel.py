@@ -1398,6 +1398,39 @@ async def fleet_of_one_that_listens_once() -> tuple[Fleet, Board]:
     return fleet, board
 
 
+async def test_a_start_where_one_http_process_fails_serves_on_the_others(monkeypatch, caplog):
+    """The first HTTP process listening answers /ready; a second that then exited
+    before it listened (its TLS key gone meanwhile) aborted the start: a server that had
+    said it was ready exited 1 (a tester). It serves on, the other started again; where
+    none listens, the start fails as before."""
+    monkeypatch.setattr(fleet_module, "RESTART_PAUSE", 0.05)
+    board = Board.create(0)
+    bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
+    tries = {0: iter([(0.0, 0.05, 0.0)]), 1: iter(["exit", (0.0, 0.05, 0.0)])}
+    fleet = Fleet(2, listening_once, lambda index: next(tries[index]), bridge)
+    try:
+        with caplog.at_level(logging.WARNING, "rawserve"):
+            await fleet.start()
+            assert fleet.listening() >= 1
+            until = time.monotonic() + 60
+            while fleet.listening() < 2:
+                assert time.monotonic() < until
+                await asyncio.sleep(0.05)
+        [exit] = [r.message for r in caplog.records if "before it listened" in r.message]
+        assert exit.startswith("HTTP process 1 ") and "exited with code 1" in exit
+    finally:
+        await stop_fleet(fleet, board)
+    board = Board.create(0)
+    bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
+    fleet = Fleet(2, listening_once, lambda index: "exit", bridge)
+    try:
+        with pytest.raises(fleet_module.HttpProcessFailed, match="exited before it listened"):
+            await fleet.start()
+    finally:
+        fleet.stopping = True
+        await stop_fleet(fleet, board)
+
+
 async def test_replacements_that_keep_exiting_before_they_listen_are_tried_ever_more_slowly(
     monkeypatch, caplog
 ):

@@ -81,10 +81,26 @@ class Fleet:
         self._context = multiprocessing.get_context("spawn")
 
     async def start(self) -> None:
-        """Start every HTTP process and wait until each listens; HttpProcessFailed if one
-        cannot."""
-        await asyncio.gather(*(self._start_one(index) for index in range(self.count)))
-        asyncio.get_running_loop().call_later(WATCH_SECONDS, self._watch)
+        """Start every HTTP process and wait until each listens; HttpProcessFailed (or
+        the OSError of a process not started) if none can. Where some listen, the server
+        serves on them, answering /ready already, and the others are started again as a
+        replacement is (aborted, a start answered /ready 200, then exited 1)."""
+        loop = asyncio.get_running_loop()
+        starts = [self._start_one(index) for index in range(self.count)]
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        failures = {index: failed for index, failed in enumerate(results) if failed is not None}
+        for failure in failures.values():
+            if not isinstance(failure, (HttpProcessFailed, OSError)):
+                raise failure
+        if len(failures) == self.count:
+            raise next(iter(failures.values()))
+        for index, failure in failures.items():
+            if isinstance(failure, HttpProcessFailed) and failure.exited:
+                continue  # (logged by _on_exit, which starts another)
+            log.error("%s; serving on the others meanwhile", failure)
+            if isinstance(failure, OSError):  # none started, to exit and be replaced
+                loop.call_later(RESTART_PAUSE, self._restart_later, index)
+        loop.call_later(WATCH_SECONDS, self._watch)
 
     async def _start_one(self, index: int) -> None:
         loop = asyncio.get_running_loop()
@@ -156,7 +172,7 @@ class Fleet:
             else f" before it listened ({failures} in a row)",
             f" in {pause:.2g} s" if pause else "",
         )
-        loop.call_later(pause, lambda: loop.create_task(self._restart(index)))
+        loop.call_later(pause, self._restart_later, index)
 
     def _watch(self) -> None:
         """Kill each HTTP process silent for SILENT_SECONDS: its exit is seen by
@@ -184,6 +200,9 @@ class Fleet:
         log.warning("HTTP process %d (pid %s) stopped on a signal; starting another", index, pid)
         asyncio.get_running_loop().create_task(self._restart(index))
 
+    def _restart_later(self, index: int) -> None:
+        asyncio.get_running_loop().create_task(self._restart(index))
+
     async def _restart(self, index: int) -> None:
         if self.stopping:
             return
@@ -200,7 +219,7 @@ class Fleet:
                 RESTART_PAUSE,
             )
             loop = asyncio.get_running_loop()
-            loop.call_later(RESTART_PAUSE, lambda: loop.create_task(self._restart(index)))
+            loop.call_later(RESTART_PAUSE, self._restart_later, index)
         else:
             if (process := self.processes.get(index)) is not None and index in self.peers:
                 # (said once it is back: after failed starts, nothing said it had come)
