@@ -2745,6 +2745,21 @@ def test_a_handler_module_not_found_says_where_it_was_looked_for(
     assert "PYTHONPATH" in message
 
 
+def test_a_handler_named_as_a_module_imported_already_says_so(monkeypatch, tmp_path):
+    """A `types.py` in the server's folder was never imported (Python's own `types` was,
+    long before): the start said only "module 'types' has no attribute 'handler'"."""
+    from rawserve.worker.handler import HandlerRunner
+    from rawserve.worker.process import load_failed
+
+    (tmp_path / "types.py").write_text("def handler():\n    return lambda inputs: inputs\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ImportError) as caught:
+        HandlerRunner("types:handler", "cpu")
+    message = load_failed(caught.value).message
+    assert f"is {tmp_path / 'types.py'}, but that name is taken by a module" in message
+    assert "name the file another way" in message
+
+
 def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
     """A HandlerRunner of a module written now, `source` its code."""
     from rawserve.worker.handler import HandlerRunner

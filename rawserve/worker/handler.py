@@ -20,7 +20,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from types import ModuleType
 from typing import Any
 
@@ -212,7 +212,9 @@ def handler_module(spec: str) -> ModuleType:
     name = spec.partition(":")[0]
     try:
         with exits_as_errors():  # a module that parses sys.argv as it is imported, say
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
+        refuse_shadowed(name)
+        return module
     except ModuleNotFoundError as exc:
         if exc.name is None or not (name == exc.name or name.startswith(f"{exc.name}.")):
             raise  # a module the handler imports is missing: its own line says which
@@ -222,6 +224,23 @@ def handler_module(spec: str) -> ModuleType:
             "add that folder to PYTHONPATH",
             name=exc.name,
         ) from None
+
+
+def refuse_shadowed(name: str) -> None:
+    """ImportError where the folder the server started in holds the handler's module
+    (`types.py`) but the name was Python's own, or a library's, imported before that
+    folder was searched: its factory was then "missing" from a module it never was in."""
+    top = name.partition(".")[0]
+    here = Path.cwd()
+    written = [here / f"{top}.py", here / top / "__init__.py"]
+    loaded = getattr(sys.modules.get(top), "__file__", None)
+    mine = next((path for path in written if path.is_file()), None)
+    if mine is None or loaded is None or Path(loaded).resolve() == mine.resolve():
+        return
+    raise ImportError(
+        f"the handler's module {top!r} is {mine}, but that name is taken by a module "
+        f"imported before it ({loaded}): name the file another way"
+    )
 
 
 def load_handler(config: WorkerConfig, device: str) -> HandlerRunner:
