@@ -525,6 +525,25 @@ def test_the_document_says_which_raw_bodies_post_takes(task, raw):
         assert set(content) == {"application/json", *raw}
 
 
+def test_a_models_name_is_percent_encoded_in_the_documents_paths():
+    """A folder named `my cls` made the path keys `/models/my cls`, which no URL is
+    (generated clients broke); the server reads `/models/my%20cls` as that name."""
+    from openapi_spec_validator import validate
+    from openapi_spec_validator.validation import OpenAPIV31SpecValidator
+
+    workers = Loaded("text-classification", {"id2label": {"0": "a"}}, "{}")
+    model = ServedModel("my cls {x}", ModelService(Idle(), workers), {"batching": {}})
+    app = App(ServedModels([model]), AppSettings())
+    document = json.loads(asyncio.run(app.openapi(get("/openapi.json"))).body)
+    validate(document, cls=OpenAPIV31SpecValidator)
+    named = sorted(path for path in document["paths"] if "my" in path)
+    assert named == [
+        "/models/my%20cls%20%7Bx%7D",
+        "/ready/my%20cls%20%7Bx%7D",
+        "/v1/models/my%20cls%20%7Bx%7D",
+    ]
+
+
 def test_preflight_and_answers_for_an_allowed_origin():
     app = app_for("custom", tokenizer=None, cors_allow_origins=("https://a.example",))
     preflight = HttpRequest(

@@ -85,6 +85,7 @@ def test_a_hub_id_serves_from_the_cache_offline_as_its_folder_would(tmp_path, re
         assert facts["task"] == "feature-extraction"  # inferred, no --task
         assert (facts["pooling"], facts["normalize"]) == ("cls", True)
         assert (facts["model"], facts["revision"]) == (REPO_ID, repo.main)
+        assert facts["model_sha"] == repo.main  # TEI's field: it was always null
         assert facts["names"] == [REPO_ID]
         vector = embed(by_id, "hello world")
         assert vector.shape == (32,) and np.linalg.norm(vector) == pytest.approx(1, abs=1e-5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import quote
 
 from rawserve import __version__
 from rawserve.api.openai import speaks_openai
@@ -22,6 +23,7 @@ from rawserve.api.served import ServedModel
 from rawserve.tasks import task_rules
 
 OPENAPI_VERSION = "3.1.0"
+PATH_CHARACTERS = "/:@!$&'()*+,;=-._~"  # what a URL's path holds as it is (RFC 3986's pchar)
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 OPENAI_ERROR_REF = {"$ref": "#/components/schemas/OpenAIErrorResponse"}
 DESCRIPTION = (
@@ -42,7 +44,7 @@ def openapi_document(
             continue  # answered 404: not part of this server's API
         context = DocContext(fitting[0], max_inputs, shared=len(fitting) > 1)
         operation = describe(route, context, api_key)
-        paths.setdefault(route.path, {})[route.method.lower()] = operation
+        paths.setdefault(path_key(route.path), {})[route.method.lower()] = operation
     document: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "rawserve", "version": __version__, "description": DESCRIPTION},
@@ -88,6 +90,13 @@ def describe(route: Route, context: DocContext, api_key: bool) -> dict[str, Any]
     if api_key:
         described["security"] = [{"apiKey": []}] if route.secured else []
     return described
+
+
+def path_key(path: str) -> str:
+    """A route's path as an OpenAPI path key, a URL's path: a model's name percent-encoded
+    where it holds what a URL's path cannot (`/models/my cls` is `/models/my%20cls`, which
+    the server reads as that name), braces too (OpenAPI's templates)."""
+    return quote(path, safe=PATH_CHARACTERS)
 
 
 def raw_bodies(task: str | None) -> dict[str, Any]:

@@ -563,7 +563,7 @@ def tei_info(model: ServedModel, max_client_batch_size: int) -> dict[str, Any]:
     max_batch_size = int(batching.get("max_batch_size") or 0)
     info: dict[str, Any] = {
         "model_id": facts.get("model") or facts.get("handler") or model.name,
-        "model_sha": None,
+        "model_sha": facts.get("revision"),  # the Hub commit served (None: a folder)
         "model_dtype": loaded.dtype if loaded else None,
         "served_model_name": model.name,
         "max_concurrent_requests": batching.get("max_queue"),
