@@ -825,8 +825,8 @@ def test_an_item_near_its_deadline_leads_whatever_its_turn():
 
 def test_a_list_longer_than_the_queue_can_never_be_admitted():
     core = SchedulerCore(max_queue=4)
-    with pytest.raises(NeverAdmissible):
-        queue_items(core, list("abcde"))
+    with pytest.raises(NeverAdmissible, match=r"queues at most 4 \(--max-queue\)"):
+        queue_items(core, list("abcde"))  # (the option named: a deployer's to change)
     queue_items(core, list("abcd"))  # the bound itself fits
     with pytest.raises(QueueFull):
         queue_items(core, ["e"])

@@ -83,7 +83,10 @@ def _inflated(body: bytes, name: str, limit: int) -> bytes:
             raise BadRequest(f"the body is not valid {name} data") from None
         size += len(parts[-1])
         if size > limit:
-            raise PayloadTooLarge(f"the body decoded is over the limit of {limit} bytes")
+            raise PayloadTooLarge(
+                f"the body decoded is over the limit of {limit} bytes (the server's "
+                "--max-body-bytes)"
+            )
         start += len(piece) - len(inflater.unused_data)  # below the limit: all else was read
     if not inflater.eof:
         raise BadRequest(f"the body's {name} data ends early")

@@ -190,7 +190,9 @@ class NeverAdmissible(Exception):
     """Refused at admission for good: more items than the queue can ever hold."""
 
     def __init__(self, items: int, max_queue: int):
-        super().__init__(f"{items} inputs in one request; this server queues at most {max_queue}")
+        super().__init__(
+            f"{items} inputs in one request; this server queues at most {max_queue} (--max-queue)"
+        )
         self.items = items
         self.max_queue = max_queue
 
