@@ -1095,4 +1095,9 @@ async def _close_stream(response: HttpResponse) -> None:
 
 
 def _peer(peer: object) -> str:
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
+    """A peer's address as a log line names it: an IPv6 host in brackets (`[::1]:55436`,
+    as nginx's and a URL's; `::1:55436` left the port unclear)."""
+    if not isinstance(peer, tuple) or len(peer) < 2:
+        return "-"
+    host = f"[{peer[0]}]" if ":" in str(peer[0]) else peer[0]
+    return f"{host}:{peer[1]}"

@@ -3304,3 +3304,18 @@ def test_a_malformed_header_line_is_logged_without_its_value(caplog, line, said)
     assert error.status == 400
     [logged] = [r.getMessage() for r in caplog.records]
     assert said in logged and "sk-test" not in logged, logged
+
+
+@pytest.mark.parametrize(
+    ("peer", "named"),
+    [
+        (("127.0.0.1", 50000), "127.0.0.1:50000"),
+        (("::1", 55436, 0, 0), "[::1]:55436"),  # was `::1:55436`: where the port starts?
+        ("/run/rawserve.sock", "-"),  # a Unix socket's peer has no address
+        (None, "-"),
+    ],
+)
+def test_a_peer_is_named_as_nginx_and_urls_name_it(peer, named):
+    from rawserve.protocol import _peer
+
+    assert _peer(peer) == named
