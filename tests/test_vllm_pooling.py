@@ -8,7 +8,9 @@ loaded in this process with transformers, and against the server's own embedding
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -19,14 +21,22 @@ pytestmark = pytest.mark.slow
 
 # the served names: the model folders'
 RERANKER, CLASSIFIER, EMBEDDER = "reranker", "text-classification", "sentence-embedding"
+PROMPTED = "prompted"  # the embedding model with a default prompt
 LONG = "the movie was long and slow " * 200  # past the tiny models' 128 positions
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
+def server(tiny_model, tmp_path_factory):
     kinds = (RERANKER, CLASSIFIER, EMBEDDER)
     args = [arg for kind in kinds for arg in ("--model", tiny_model(kind))]
-    running = RunningServer(args).start()
+    # the embedding model again, its files naming a prompt put before every text
+    prompted = tmp_path_factory.mktemp("prompted") / "model"
+    shutil.copytree(tiny_model(EMBEDDER), prompted)
+    settings = prompted / "config_sentence_transformers.json"
+    settings.write_text(
+        json.dumps({**json.loads(settings.read_text()), "default_prompt_name": "query"})
+    )
+    running = RunningServer([*args, "--model", f"{PROMPTED}={prompted}"]).start()
     yield running
     running.stop()
 
@@ -168,6 +178,8 @@ def test_a_long_input_is_refused_before_it_is_queued_unless_cut(server, local):
         ("/classify", {"input": "a", "truncate_prompt_tokens": 129}, 400, None, "(128 tokens)"),
         ("/classify", {"input": "a", "truncate_prompt_tokens": -2}, 400, None, "from -1"),
         ("/classify", {"input": "a", "truncate_prompt_tokens": 2}, 422, None, "no room"),
+        ("/classify", {"input": "a", "user": 5}, 400, "user", "must be a string"),
+        ("/score", {"text_1": "a", "text_2": "b", "user": 5}, 400, "user", "must be a string"),
         ("/score", {"text_1": ["a", "b"], "text_2": ["c"]}, 400, None, "one length"),
         ("/score", {"text_1": "a"}, 400, None, '"text_2" is required'),
         ("/score", {"queries": "a"}, 400, None, '"documents" or "items" is required'),
@@ -219,3 +231,97 @@ def test_openais_embeddings_take_vllms_truncate_prompt_tokens(server, tiny_model
     assert cut["data"][0]["embedding"] == pytest.approx(expected, abs=1e-5)
     status, body = server.post_json({**document, "truncate_prompt_tokens": 0}, "/v1/embeddings")
     assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens", body
+
+
+def test_an_embedding_models_score_is_the_cosine_of_its_prompted_vectors(server):
+    """A model whose files name a default prompt puts it before every text, on every
+    embedding route: /score left it out, and its score was not the cosine of the
+    /v1/embeddings vectors of the same texts (a tester)."""
+    texts = ["a red car", "a car"]
+    document = {"model": PROMPTED, "text_1": texts[0], "text_2": texts[1]}
+    status, body = server.post_json(document, "/score")
+    assert status == 200, body
+    status, embedded = server.post_json({"model": PROMPTED, "input": texts}, "/v1/embeddings")
+    one, other = (np.asarray(entry["embedding"]) for entry in embedded["data"])
+    assert body["data"][0]["score"] == pytest.approx(float(one @ other), abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == embedded["usage"]["prompt_tokens"]
+
+
+def test_a_pair_too_long_together_is_refused_before_it_queues_naming_it(server):
+    """Each side fits, the pair does not: the worker's 422 said "send truncate: true",
+    which /score does not read, after the pair had queued (a tester)."""
+    half = "the movie was good " * 16  # 64 words: each alone fits the 128 positions
+    document = {"text_1": half, "text_2": ["short", half]}
+    status, body = server.post_json(document, "/score")
+    assert status == 422, body
+    error = body["error"]
+    assert error["param"] == "text_2" and "truncate_prompt_tokens" in error["message"]
+    assert error["message"].startswith('the pair of "text_1" and "text_2" at index 1: ')
+    document = {"text_1": half, "text_2": half, "truncate_prompt_tokens": -1}
+    status, body = server.post_json(document, "/score")
+    assert status == 200 and body["usage"]["prompt_tokens"] == 128, body
+
+
+@pytest.mark.parametrize(
+    ("document", "param", "says"),
+    [
+        ({"text_1": LONG, "text_2": ["a"]}, "text_1", '"text_1": the input'),
+        ({"queries": "a", "documents": ["b", LONG]}, "documents", '"documents" at index 1'),
+        (
+            {"model": EMBEDDER, "text_1": "a", "text_2": ["b", LONG]},
+            "text_2",
+            '"text_2" at index 1',
+        ),
+        (
+            {"model": EMBEDDER, "text_1": ["a", "b"], "text_2": [LONG, "a"]},
+            "text_2",
+            '"text_2" at index 0',
+        ),
+    ],
+)
+def test_a_long_text_of_score_is_named_by_its_side_and_place(server, document, param, says):
+    """The refusal named the second side for every pair (a long `text_1` was "text_2" at
+    index 0), and on an embedding model the place in a list of the texts deduplicated
+    ("text_1" at index 3, of one text)."""
+    status, body = server.post_json(document, "/score")
+    assert status == 422, body
+    assert body["error"]["param"] == param and body["error"]["message"].startswith(says), body
+
+
+def test_vllms_rerank_takes_truncate_prompt_tokens(server):
+    """It was ignored on /v1/rerank (vLLM's RerankRequest has it), where /score cut."""
+    document = {"query": "where is paris", "documents": [LONG, LONG]}
+    status, body = server.post_json({**document, "truncate_prompt_tokens": 10}, "/v1/rerank")
+    assert status == 200 and body["usage"]["prompt_tokens"] == 2 * 10, body
+    status, body = server.post_json({**document, "truncate_prompt_tokens": 0}, "/v1/rerank")
+    assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens", body
+
+
+def test_token_ids_are_cut_on_the_side_asked_with_no_room_kept_for_special_tokens(server):
+    """Ids get no special tokens added: a cut of 3 ids to 2 was 422 "no room beside the
+    model's 2 special tokens". `truncation_side: left` keeps the last ids, as vLLM's cut
+    of token ids does."""
+    ids = [2, 10, 11, 12, 3]  # [CLS] ... [SEP] of the tiny vocabulary
+    for side, kept in (("right", ids[:2]), ("left", ids[-2:])):
+        document = {"model": EMBEDDER, "input": [ids], "truncate_prompt_tokens": 2}
+        status, cut = server.post_json({**document, "truncation_side": side}, "/v1/embeddings")
+        assert status == 200 and cut["usage"]["prompt_tokens"] == 2, cut
+        status, sent = server.post_json({"model": EMBEDDER, "input": [kept]}, "/v1/embeddings")
+        expected = sent["data"][0]["embedding"]
+        assert cut["data"][0]["embedding"] == pytest.approx(expected, abs=1e-5), side
+
+
+def test_the_document_says_what_each_route_does_with_a_long_input_not_cut(server):
+    status, _, body = server.request("GET", "/openapi.json")
+    paths = json.loads(body)["paths"]
+
+    def said(path):
+        schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        return schema["properties"]["truncate_prompt_tokens"]["description"]
+
+    assert said("/classify").endswith(
+        "none: an input longer than the model takes is refused (422)."
+    )
+    assert said("/v1/embeddings").endswith(
+        "none: cut to the model's length, as sentence-transformers cuts it."
+    )

@@ -61,6 +61,7 @@ from rawserve.api.openai_responses import (
     sampled_with,
 )
 from rawserve.api.outcomes import unwrap, unwrap_all
+from rawserve.api.prompt_cuts import asked_cut, cut_fields
 from rawserve.api.prompts import (
     CHAT_LISTED_BYTES,
     LISTED_BYTES,
@@ -86,13 +87,7 @@ from rawserve.api.served import ServedModel
 from rawserve.api.streaming import StreamEnd, TokenStream, event_stream, start_choices
 from rawserve.api.tei_bodies import details
 from rawserve.api.tokens import ServerTokenizers
-from rawserve.api.vllm_pooling import (
-    CLASSIFY_PATHS,
-    SCORE_PATHS,
-    TRUNCATE_PROMPT_TOKENS,
-    TRUNCATION,
-    cut_to,
-)
+from rawserve.api.vllm_pooling import CLASSIFY_PATHS, SCORE_PATHS
 from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE
@@ -171,9 +166,8 @@ EMBEDDINGS = Body(
         ),
         "dimensions": Field(dimensions_schema, read_dimensions),
         "user": text(),
-        # vLLM's: each input cut to N tokens (an input longer than the model takes is cut
-        # to its length in any case, as sentence-transformers cuts it)
-        TRUNCATE_PROMPT_TOKENS: TRUNCATION,
+        # vLLM's: each input cut to N tokens (where none is asked, to the model's length)
+        **cut_fields("cut to the model's length, as sentence-transformers cuts it"),
     }
 )
 
@@ -192,9 +186,7 @@ def parse_embeddings_request(
         params["dimensions"] = dimensions
     fields.value("model")
     fields.value("user")
-    keep = fields.value(TRUNCATE_PROMPT_TOKENS)
-    if keep is not None:
-        params.update(cut_to(context.model, keep))
+    params.update(asked_cut(context.model, fields) or {})
     for index, one in enumerate(texts):  # as every route: blank text is well-formed, but
         where = item_name('"input"', index, len(texts))  # nothing to embed
         if one == []:

@@ -35,6 +35,7 @@ from rawserve.api.bodies import answer, built_answer, read_json, vector_entries
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Fields, names_after
 from rawserve.api.outcomes import unwrap_all
+from rawserve.api.prompt_cuts import asked_cut
 from rawserve.api.prompts import check_input_lengths
 from rawserve.api.routing import (
     DENSE_EMBEDDING,
@@ -363,7 +364,10 @@ class TeiRoutes:
         fields = RERANK_DOCUMENTS.read(document)
         model = self.context.model_for(fields.get("model"), CROSS_ENCODER, queued_for=request)
         texts = fields.value("documents", self.within(model))
-        relevance, results = await self.relevance(request, model, fields, (texts, '"documents"'))
+        cut = asked_cut(model, fields)  # vLLM's, where asked: else TEI's `truncate`
+        relevance, results = await self.relevance(
+            request, model, fields, (texts, '"documents"'), cut=cut
+        )
         order = sorted(range(len(texts)), key=lambda index: relevance[index], reverse=True)
         ranked = []
         for index in order[: fields.value("top_n") or len(texts)]:
@@ -387,16 +391,19 @@ class TeiRoutes:
         fields: Fields,
         named_texts: tuple[list[str], str],
         raw_scores: bool = False,
+        cut: Mapping[str, Any] | None = None,
     ) -> tuple[list[float], list[ItemResult]]:
         """Each text's score against the body's query, in the texts' order, and the
-        results they came from (`named_texts`: the texts, and their field's name)."""
+        results they came from (`named_texts`: the texts, and their field's name; `cut`:
+        the worker's parameters of a cut asked otherwise than by `truncate`)."""
         query = checked_text(fields.value("query"), '"query"')
         texts, name = named_texts
         checked_texts(texts, name)
         names = names_after('"query"', name, len(texts))
-        await self.refuse_too_long(model, [query, *texts], fields, names)
+        if cut is None:
+            await self.refuse_too_long(model, [query, *texts], fields, names)
         pairs = [{"text": query, "text_pair": text} for text in texts]
-        params = {LOGITS_PARAM: True, **truncation(fields)}
+        params = {LOGITS_PARAM: True, **(cut or truncation(fields))}
         results = await model.run(pairs, params, self.context.deadline(request))
         outputs = unwrap_all(results)
         return [float(scores(output["logits"], raw_scores)[0]) for output in outputs], results

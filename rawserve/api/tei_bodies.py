@@ -25,6 +25,7 @@ from rawserve.api.fields import (
     whole,
 )
 from rawserve.api.openai_generation import is_token_ids, refuse_unknown_ids
+from rawserve.api.prompt_cuts import cut_fields
 from rawserve.api.routing import DocContext, Schema
 from rawserve.http.errors import BadRequest, EmptyInput, UnprocessableInput
 from rawserve.tasks.checks import BlankInput, visible
@@ -352,6 +353,7 @@ RERANK_DOCUMENTS = Body(
         "top_n": whole(0, MAX_TOKEN_ID),
         "return_documents": flag(True, "Each result's document, as `document.text`."),
         **TRUNCATION,
+        **cut_fields("as `truncate` says"),  # vLLM's
     },
     ignore_unknown=True,
 )

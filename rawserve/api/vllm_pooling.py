@@ -22,10 +22,11 @@ import numpy as np
 
 from rawserve.api.bodies import answer, check_client_batch, read_json
 from rawserve.api.context import RouteContext
-from rawserve.api.fields import Body, Field, Fields, flag, item_name, read_integer, text
+from rawserve.api.fields import Body, Field, Fields, flag, item_name, text
 from rawserve.api.openai_generation import is_token_ids
 from rawserve.api.outcomes import unwrap_all
-from rawserve.api.prompts import check_input_lengths
+from rawserve.api.prompt_cuts import TRUNCATE_PROMPT_TOKENS, asked_cut, cut_fields
+from rawserve.api.prompts import by_length, check_input_lengths
 from rawserve.api.routing import (
     DENSE_EMBEDDING,
     MODEL_ERRORS,
@@ -35,13 +36,16 @@ from rawserve.api.routing import (
     Route,
     Schema,
 )
+from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.tei import CLASSIFIER, CROSS_ENCODER, labels_of, scores
 from rawserve.api.tei_bodies import checked_texts, max_inputs
-from rawserve.http.errors import BadRequest, EmptyInput
+from rawserve.api.tokens import ServerTokenizer
+from rawserve.http.errors import BadRequest, EmptyInput, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE
-from rawserve.tasks import LOGITS_PARAM, TRUNCATE_TO
+from rawserve.tasks import LOGITS_PARAM
+from rawserve.tasks.windows import TOKENS_PER_CHARACTER
 
 TAG = "vLLM"
 CLASSIFY_PATHS = ("/classify", "/v1/classify")
@@ -54,8 +58,9 @@ SCORER = Needs(
 # the names of /score's two sides, as vLLM's versions have called them
 SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
                ("data_1", "data_2"))  # fmt: skip
-TRUNCATE_PROMPT_TOKENS = "truncate_prompt_tokens"
-MOST_TOKENS = 2**31 - 1
+# what these routes do with an input longer than the model takes, where no cut is asked
+REFUSED = "an input longer than the model takes is refused (422)"
+SAYS = f"the model takes at most {{limit}}: send {TRUNCATE_PROMPT_TOKENS} to cut it"
 
 
 def read_texts(name: str, value: Any, context: DocContext | None) -> list[str]:
@@ -76,17 +81,7 @@ def texts_schema(context: DocContext) -> Schema:
     return {"oneOf": [{"type": "string"}, {**many, "maxItems": context.max_inputs}]}
 
 
-def read_truncation(name: str, value: Any, context: DocContext | None) -> int:
-    return read_integer(name, value, -1, MOST_TOKENS)
-
-
 TEXTS = Field(texts_schema, read_texts)
-TRUNCATION = Field(
-    {"type": ["integer", "null"], "minimum": -1},
-    read_truncation,
-    description="Cut each input to this many tokens, special tokens included (-1: to the "
-    "model's length); none: an input longer than the model takes is refused (422).",
-)
 ACTIVATION = {
     name: flag(True, "Scores as probabilities (a softmax, or a sigmoid for one label); "
                "false: the model's logits.") if name == "use_activation" else flag(True)
@@ -95,7 +90,7 @@ ACTIVATION = {
 CLASSIFY = Body(
     {
         "input": Field(texts_schema, read_texts, reads_null=True, required=True),
-        TRUNCATE_PROMPT_TOKENS: TRUNCATION,
+        **cut_fields(REFUSED),
         **ACTIVATION,
         "user": text(),
     },
@@ -104,7 +99,7 @@ CLASSIFY = Body(
 SCORE = Body(
     {
         **{name: TEXTS for pair in SCORE_SIDES for name in pair},
-        TRUNCATE_PROMPT_TOKENS: TRUNCATION,
+        **cut_fields(REFUSED),
         **ACTIVATION,
         "user": text(),
     },
@@ -198,7 +193,11 @@ class VllmPoolingRoutes:
         fields = CLASSIFY.read(read_json(request))
         model = self.context.model_for(fields.get("model"), CLASSIFIER, queued_for=request)
         texts = fields.value("input", self.within(model))
-        params = {LOGITS_PARAM: True, **await self.truncation(model, fields, texts, "input")}
+        fields.value("user")
+        cut = asked_cut(model, fields)
+        if cut is None:
+            await self.refuse_long(model, texts, names_of("input", texts))
+        params = {LOGITS_PARAM: True, **(cut or {"truncate": False})}
         results = await model.run(texts, params, self.context.deadline(request))
         outputs = unwrap_all(results)
         labels = labels_of(model)
@@ -221,31 +220,41 @@ class VllmPoolingRoutes:
         fields = SCORE.read(read_json(request))
         model = self.context.model_for(fields.get("model"), SCORER, queued_for=request)
         (first, firsts), (second, seconds) = sides(fields, self.within(model))
+        fields.value("user")
+        first_names, second_names = names_of(first, firsts), names_of(second, seconds)
         named = {  # what a failure calls a text: its first place in the body
-            text: item_name(f'"{name}"', index, len(side))
-            for name, side in ((second, seconds), (first, firsts))
-            for index, text in reversed([*enumerate(side)])
+            text: name
+            for side, names in ((seconds, second_names), (firsts, first_names))
+            for text, name in reversed([*zip(side, names, strict=True)])
         }
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
+        cut = asked_cut(model, fields)
         deadline = self.context.deadline(request)
         if CROSS_ENCODER.missing(model) is None:
+            if cut is None:  # each text, then each pair, as long as the model takes
+                await self.refuse_long(model, [*firsts, *seconds], [*first_names, *second_names])
+                await self.refuse_long_pairs(model, (first, firsts), (second, seconds))
+            names = pair_names((first, firsts), (second, seconds))
+            firsts = broadcast(firsts, seconds)
             pairs = [{"text": a, "text_pair": b} for a, b in zip(firsts, seconds, strict=True)]
-            params = {LOGITS_PARAM: True, **await self.truncation(model, fields, pairs, second)}
+            params = {LOGITS_PARAM: True, **(cut or {"truncate": False})}
             results = await model.run(pairs, params, deadline)
-            names = [item_name(f'"{second}"', i, len(pairs)) for i in range(len(pairs))]
             outputs = unwrap_all(results, names)
             raw = not activated(fields)
             found = [float(scores(output["logits"], raw)[0]) for output in outputs]
         else:
             texts = [*dict.fromkeys([*firsts, *seconds])]  # each text embedded once
-            params = {"normalize": True, **await self.truncation(model, fields, texts, first)}
-            results = await model.run(texts, params, deadline, EMBEDDING_ROUTE)
-            outputs = unwrap_all(results, [named[text] for text in texts])
+            inputs = [*prompted(model, texts, None)]  # the model's default prompt, if any
+            names = [named[text] for text in texts]
+            if cut is None:
+                await self.refuse_long(model, inputs, names)
+            params = {"normalize": True, **(cut or {"truncate": False})}
+            results = await model.run(inputs, params, deadline, EMBEDDING_ROUTE)
+            outputs = unwrap_all(results, names)
             vectors = {
                 one: np.asarray(output["embedding"], dtype=np.float64)
                 for one, output in zip(texts, outputs, strict=True)
             }
+            firsts = broadcast(firsts, seconds)
             # (unit vectors in float32: a cosine may come out a little past 1)
             found = [
                 float(np.clip(vectors[a] @ vectors[b], -1, 1))
@@ -257,36 +266,61 @@ class VllmPoolingRoutes:
     def within(self, model: ServedModel) -> DocContext:
         return DocContext(model, self.context.settings.max_client_batch_size)
 
-    async def truncation(
-        self, model: ServedModel, fields: Fields, inputs: list[Any], name: str
-    ) -> dict[str, Any]:
-        """The worker's parameters of `truncate_prompt_tokens`; without it, 422 for an
-        input longer than the model takes, before it is queued (`name`: its field)."""
-        keep = fields.value(TRUNCATE_PROMPT_TOKENS)
-        if keep is None:
-            says = f"the model takes at most {{limit}}: send {TRUNCATE_PROMPT_TOKENS} to cut it"
-            names = [item_name(f'"{name}"', index, len(inputs)) for index in range(len(inputs))]
-            await check_input_lengths(self.context.tokenizers, model, inputs, says, names)
-            return {"truncate": False}
-        return {"truncate": True, **cut_to(model, keep)}
+    async def refuse_long(self, model: ServedModel, texts: list[str], names: list[str]) -> None:
+        """422 before the work for a text longer than the model takes, named as `names`
+        say (left to the worker, it was tokenized whole, and again as its batch split)."""
+        await check_input_lengths(self.context.tokenizers, model, texts, SAYS, names)
+
+    async def refuse_long_pairs(self, model: ServedModel, *sides: tuple[str, list[str]]) -> None:
+        """422 before the work for a pair whose texts fit the model each alone but not
+        together (the worker's refusal said "send truncate: true", which /score does not
+        read, and came after the pair had queued)."""
+        positions = model.positions
+        (_, firsts), (second, seconds) = sides
+        pairs = [*zip(broadcast(firsts, seconds), seconds, strict=True)]
+        maybe = [
+            index
+            for index, (a, b) in enumerate(pairs)
+            if positions > 0 and TOKENS_PER_CHARACTER * (len(a) + len(b)) > positions
+        ]
+        tokenizer = await self.context.tokenizers.get(model) if maybe else None
+        if tokenizer is None:
+            return
+        room = positions - tokenizer.pair_special_tokens
+        names = pair_names(*sides)
+        for index in maybe:
+            a, b = pairs[index]
+            if await by_length([a, b], pair_past, tokenizer, a, b, room):
+                raise UnprocessableInput(
+                    f"{names[index]}: the pair is more than {positions} tokens with the "
+                    f"special tokens around it, and {SAYS.format(limit=positions)}",
+                    param=second,
+                )
 
 
-def cut_to(model: ServedModel, keep: int) -> dict[str, Any]:
-    """The worker's parameter of a `truncate_prompt_tokens` of -1 (none: the model's
-    length) or N tokens; 400 for 0, or more than the model's length."""
-    positions = model.positions
-    if keep == 0:
-        raise BadRequest(
-            f'"{TRUNCATE_PROMPT_TOKENS}" must be -1 or a count of tokens above 0',
-            param=TRUNCATE_PROMPT_TOKENS,
-        )
-    if positions > 0 and keep > positions:
-        raise BadRequest(
-            f'"{TRUNCATE_PROMPT_TOKENS}" is {keep}, more than the model\'s length '
-            f"({positions} tokens)",
-            param=TRUNCATE_PROMPT_TOKENS,
-        )
-    return {} if keep == -1 or keep == positions else {TRUNCATE_TO: keep}
+def names_of(field: str, texts: list[str]) -> list[str]:
+    """What a refusal calls each text of `field`."""
+    return [item_name(f'"{field}"', index, len(texts)) for index in range(len(texts))]
+
+
+def pair_names(*sides: tuple[str, list[str]]) -> list[str]:
+    """What a refusal calls each pair of /score's two sides (one text against a list, or
+    two lists pairwise)."""
+    (first, firsts), (second, seconds) = sides
+    if len(firsts) == 1:
+        return [f'the pair of "{first}" and {name}' for name in names_of(second, seconds)]
+    return [f'the pair of "{first}" and "{second}" at index {i}' for i in range(len(seconds))]
+
+
+def broadcast(firsts: list[str], seconds: list[str]) -> list[str]:
+    """The first side as long as the second: its one text against each of a list."""
+    return firsts * len(seconds) if len(firsts) == 1 else firsts
+
+
+def pair_past(tokenizer: ServerTokenizer, first: str, second: str, room: int) -> bool:
+    """Whether two texts take more than `room` tokens together, counted no further."""
+    taken = tokenizer.count_past(first, room)
+    return taken > room or tokenizer.count_past(second, room - taken) > room - taken
 
 
 def sides(fields: Fields, context: DocContext) -> tuple[tuple[str, list[str]], ...]:

@@ -144,8 +144,8 @@ class EncoderRunner(Runner):
         truncate = params.get("truncate", True)
         limit = cut_limit(params, self.max_length)
         reading = {"truncation": truncate, "max_length": limit if truncate else None}
-        if truncate and TRUNCATE_TO in params:
-            refuse_no_room(tokenizer, params[TRUNCATE_TO], [None])
+        if truncate and TRUNCATE_TO in params and any(isinstance(one, str) for one in inputs):
+            refuse_no_room(tokenizer, params[TRUNCATE_TO], [None])  # (ids get none added)
         texts = [
             text.lower() if self.lowercase and isinstance(text, str) else text for text in inputs
         ]
