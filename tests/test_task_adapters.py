@@ -2753,6 +2753,9 @@ def test_a_handler_named_as_a_module_imported_already_says_so(monkeypatch, tmp_p
 
     (tmp_path / "types.py").write_text("def handler():\n    return lambda inputs: inputs\n")
     monkeypatch.chdir(tmp_path)
+    # (the worker puts its folder first on sys.path: left there, this `types.py` took
+    # the place of Python's own in the processes later tests start)
+    monkeypatch.setattr(sys, "path", list(sys.path))
     with pytest.raises(ImportError) as caught:
         HandlerRunner("types:handler", "cpu")
     message = load_failed(caught.value).message
