@@ -63,9 +63,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def site_config(replica_ports: list[int], listen_port: int, access_log: Path) -> str:
-    """deploy/nginx.conf with its example addresses replaced by loopback ones."""
+def site_config(
+    replica_ports: list[int],
+    listen_port: int,
+    access_log: Path,
+    edits: dict[str, str] | None = None,
+) -> str:
+    """deploy/nginx.conf with its example addresses replaced by loopback ones (and
+    `edits`: a test's own settings, each replacing a line of the file)."""
     text = DEPLOYED_CONFIG.read_text()
+    for old, new in (edits or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
     servers = UPSTREAM_SERVER.findall(text)
     assert len(servers) >= 2, "deploy/nginx.conf lists its replicas as `server 10.0.0.N:8000`"
     indent, parameters = servers[0]
@@ -104,12 +113,12 @@ def main_config(root: Path, site: Path) -> str:
 
 
 class Nginx:
-    def __init__(self, root: Path, replica_ports: list[int]):
+    def __init__(self, root: Path, replica_ports: list[int], edits: dict[str, str] | None = None):
         self.root = root
         self.port = free_port()
         site = root / "rawserve.conf"
         self.access_log = root / "access.log"
-        site.write_text(site_config(replica_ports, self.port, self.access_log))
+        site.write_text(site_config(replica_ports, self.port, self.access_log, edits))
         self.config = root / "nginx.conf"
         self.config.write_text(main_config(root, site))
         self.command = [NGINX, "-p", str(root), "-c", str(self.config), "-e", str(root / "err")]
@@ -160,7 +169,7 @@ def start_cluster(tmp_path) -> Iterator:
     started: list[RunningServer] = []
     proxies: list[Nginx] = []
 
-    def start(*args: str) -> Cluster:
+    def start(*args: str, edits: dict[str, str] | None = None) -> Cluster:
         base = ["--handler", "tests.handlers:sleepy", "--max-batch-size", "1", "--grace", "5"]
         replicas = [RunningServer([*base, *args]) for _ in range(2)]
         started.extend(replicas)  # stopped at teardown even if a start fails
@@ -168,7 +177,7 @@ def start_cluster(tmp_path) -> Iterator:
             replica.start(wait_ready=False)
         for replica in replicas:
             replica.wait_for_log(READY, timeout=120)
-        proxy = Nginx(tmp_path, [r.port for r in replicas])
+        proxy = Nginx(tmp_path, [r.port for r in replicas], edits)
         proxies.append(proxy)
         proxy.start()
         cluster = Cluster(replicas, proxy)
@@ -293,6 +302,72 @@ def test_nginxs_own_errors_are_json_and_rawserves_413_reaches_the_client(start_c
     for path in ("/classify", "/score"):  # vLLM's, whose errors are its OpenAI routes'
         status, _, body = post_raw(cluster, b"hello", path)
         assert status == 503 and body["error"]["message"].startswith("no replica could take")
+
+
+def raw_exchange(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """`request` sent as it is; the answer's status, headers (lowercase) and body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (x.partition(":") for x in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def test_nginxs_other_errors_are_json_and_readable_by_a_page_and_http_1_0_is_answered(
+    start_cluster,
+):
+    """A review of this file found: an HTTP/1.0 probe without Host got rawserve's 400
+    (nginx dropped the empty Host it passed on); no replica answering in time was
+    nginx's HTML 504, a header line past 8k its HTML 400 (rawserve takes 16 KiB); and
+    nginx's own errors carried no CORS headers, so a page could not read them."""
+    origin = "https://app.example"
+    cluster = start_cluster(
+        edits={
+            "proxy_read_timeout 310s;": "proxy_read_timeout 1s;",
+            f'# "{origin}"  $http_origin;': f'"{origin}"  $http_origin;',
+        }
+    )
+    port = cluster.nginx.port
+    status, _, _ = raw_exchange(port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert status == 200
+    long_line = b"X-Long: " + b"a" * 10_000 + b"\r\n"
+    status, _, _ = raw_exchange(
+        port, b"GET /health HTTP/1.1\r\nHost: a\r\n" + long_line + b"Connection: close\r\n\r\n"
+    )
+    assert status == 200  # rawserve's to judge: its head limit is 16 KiB
+    too_long = b"X-Long: " + b"a" * 17_000 + b"\r\n"
+    status, headers, body = raw_exchange(
+        port, b"GET /health HTTP/1.1\r\nHost: a\r\n" + too_long + b"\r\n"
+    )
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert "longer than this server takes" in json.loads(body)["error"]
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("POST", "/", b"x" * (3 * 1024 * 1024), {"Origin": origin})
+    response = connection.getresponse()
+    assert (
+        response.status == 413 and json.loads(response.read())["error_type"] == "payload_too_large"
+    )
+    assert response.getheader("Access-Control-Allow-Origin") == origin
+    assert response.getheader("Access-Control-Expose-Headers") == "Retry-After, X-Request-Id"
+    connection.close()
+    for replica in cluster.replicas:  # hung: the kernel takes connections, none answers
+        os.kill(replica.process.pid, signal.SIGSTOP)
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("POST", "/", b"x", {"Origin": origin})
+        response = connection.getresponse()
+        body = json.loads(response.read())
+        assert response.status == 504 and body["error_type"] == "timeout", body
+        assert response.getheader("Access-Control-Allow-Origin") == origin
+        assert response.getheader("X-Request-Id")
+        connection.close()
+    finally:
+        for replica in cluster.replicas:
+            os.kill(replica.process.pid, signal.SIGCONT)
 
 
 def test_nginx_and_rawserve_log_one_id_for_each_request(start_cluster):
