@@ -569,6 +569,16 @@ async def test_malformed_request_is_400_and_closes(server):
     assert transport.finished
 
 
+async def test_an_http_1_1_request_without_host_is_told_so(server):
+    """Its 400 said only "malformed HTTP request": behind a proxy that dropped an empty
+    Host (nginx passing on `$host` of an HTTP/1.0 probe), nothing said why."""
+    app, protocol, transport = server
+    protocol.data_received(b"GET /health HTTP/1.1\r\n\r\n")
+    await settle()
+    [(response, body)] = read_responses(transport.written)
+    assert response.status_code == 400 and "must send a Host header" in json.loads(body)["error"]
+
+
 async def test_errors_are_json_and_hide_internals(server):
     app, protocol, transport = server
     requests = [b"GET /bad HTTP/1.1\r\nHost: a\r\n\r\n", b"GET /crash HTTP/1.1\r\nHost: a\r\n\r\n"]

@@ -87,6 +87,9 @@ HEADER_LINE = re.compile(
 )
 
 
+NO_HOST = "Missing mandatory Host: header"  # h11's words
+
+
 def without_header_values(message: str) -> str:
     """h11's `message` without a header's value: it quotes a malformed line whole, an
     Authorization's API key with it (a key ending in a stray CR or NUL, from a file with
@@ -113,6 +116,8 @@ def protocol_error(
         return request_line_too_long()
     if exc.error_status_hint == 431:
         return HeadersTooLarge("request headers too large")
+    if str(exc) == NO_HOST:  # (a proxy that dropped an empty one: its operator is told)
+        return BadRequest("malformed HTTP request: an HTTP/1.1 request must send a Host header")
     return BadRequest("malformed HTTP request")
 
 
