@@ -1409,7 +1409,7 @@ async def test_a_start_where_one_http_process_fails_serves_on_the_others(monkeyp
     tries = {0: iter([(0.0, 0.05, 0.0)]), 1: iter(["exit", (0.0, 0.05, 0.0)])}
     fleet = Fleet(2, listening_once, lambda index: next(tries[index]), bridge)
     try:
-        with caplog.at_level(logging.WARNING, "rawserve"):
+        with caplog.at_level(logging.INFO, "rawserve"):
             await fleet.start()
             assert fleet.listening() >= 1
             until = time.monotonic() + 60
@@ -1418,6 +1418,8 @@ async def test_a_start_where_one_http_process_fails_serves_on_the_others(monkeyp
                 await asyncio.sleep(0.05)
         [exit] = [r.message for r in caplog.records if "before it listened" in r.message]
         assert exit.startswith("HTTP process 1 ") and "exited with code 1" in exit
+        [came] = [r.message for r in caplog.records if r.message.endswith(" listening")]
+        assert came.startswith("HTTP process 1 ")  # (not "listening again": it never had)
     finally:
         await stop_fleet(fleet, board)
     board = Board.create(0)

@@ -161,6 +161,8 @@ def test_bytes_a_worker_writes_to_its_streams_buffer_are_its_lines_too(json_line
     out.buffer.write("h\u00e9".encode()[:2])  # a character cut between two writes
     out.buffer.write("h\u00e9".encode()[2:] + b" \xff\n")
     out.buffer.flush()
+    with pytest.raises(TypeError):  # as a BufferedWriter's (bytes(5) made five NULs)
+        out.buffer.write(5)
     assert raw.getvalue() == ""  # nothing reaches the stream but through the log
     assert [(d["logger"], d["message"]) for d in json_lines()] == [
         ("stdout", "A"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,6 +59,11 @@ Run = asyncio.Future[list[ItemResult]]
 # a client reading all along lost its stream "for leaving tokens unread".
 STREAM_BUFFER_TOKENS = 1024
 UNREAD_SECONDS = 1.0
+# ... and where the stream's writer waits for room, with its client's bytes taken none for
+# this long: a client reading steadily, slower than the tokens come, is seen taking bytes
+# only as its receive window opens again (up to 64 KB at a time on loopback: at 10 KB/s,
+# every 6 s), and lost its stream "for leaving tokens unread" at one second's look
+CLIENT_SILENT_SECONDS = 10.0
 # ... and whatever the reads, never more than this many wait (the memory they take)
 STREAM_HOLD_TOKENS = 4 * STREAM_BUFFER_TOKENS
 
@@ -127,9 +133,11 @@ class TokenStream:
         # its TokenChunks, then None once its request has finished
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.reads = 0  # the chunks its writer has taken
-        # bytes of the stream its client has taken (`watched`): its writer waits for room
-        # while a slow client reads what was written, and takes no chunk meanwhile
-        self.client_took: Callable[[], int] = lambda: 0
+        # bytes of the stream its client has taken (`watched`; None: not told): its writer
+        # waits for room while a slow client reads what was written, and takes no chunk
+        # meanwhile. The count last seen, and when it last grew.
+        self.client_took: Callable[[], int] | None = None
+        self.client_seen = (0, 0.0)
         self.unread_check: asyncio.TimerHandle | None = None
         self.overflowed = False
         self.closed = False
@@ -156,26 +164,35 @@ class TokenStream:
             return
         self.queue.put_nowait(chunk)
         if self.queue.qsize() >= STREAM_BUFFER_TOKENS and self.unread_check is None:
-            loop = asyncio.get_running_loop()
-            read = (self.reads, self.client_took())
-            self.unread_check = loop.call_later(UNREAD_SECONDS, self._check_unread, read)
+            self._arm_unread_check()
+
+    def _arm_unread_check(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.unread_check = loop.call_later(UNREAD_SECONDS, self._check_unread, self.reads)
 
     def watched(self, client_took: Callable[[], int]) -> None:
         """Told, as its answer starts, how to ask what its client has taken of it."""
         self.client_took = client_took
+        self.client_seen = (client_took(), time.monotonic())
 
-    def _check_unread(self, read: tuple[int, int]) -> None:
-        """Stop the stream if neither its writer nor its client took anything since
-        `read` (its writer's chunks, its client's bytes), with the buffer full and its
-        generation still running (one that has finished holds no worker, and its tokens
-        are bounded: its client, back from a pause, reads them whole). A client reading
-        slower than the tokens come is stopped only at `STREAM_HOLD_TOKENS`."""
+    def _check_unread(self, reads: int) -> None:
+        """Stop the stream if its writer took nothing since `reads`, with the buffer full
+        and its generation still running (one that has finished holds no worker, and its
+        tokens are bounded: its client, back from a pause, reads them whole), unless its
+        client took some of what was written within `CLIENT_SILENT_SECONDS` (then it is
+        looked at again a second later). A client reading slower than the tokens come is
+        stopped only at `STREAM_HOLD_TOKENS`."""
         self.unread_check = None
-        if self.run.done():
+        if self.run.done() or self.reads != reads or self.queue.qsize() < STREAM_BUFFER_TOKENS:
             return
-        unread = read == (self.reads, self.client_took())
-        if unread and self.queue.qsize() >= STREAM_BUFFER_TOKENS:
-            self._overflow()
+        if self.client_took is not None:
+            took, now = self.client_took(), time.monotonic()
+            if took != self.client_seen[0]:
+                self.client_seen = (took, now)
+            if now - self.client_seen[1] < CLIENT_SILENT_SECONDS:
+                self._arm_unread_check()
+                return
+        self._overflow()
 
     def _overflow(self) -> None:
         """Stop this stream's choices: its client left one's tokens unread, so it reads

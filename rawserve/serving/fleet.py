@@ -78,6 +78,7 @@ class Fleet:
         self._started: dict[int, float] = {}
         self._failed_starts: dict[int, int] = {}  # exits before listening, in a row
         self._listened: set[BaseProcess] = set()  # those that listened, until they exit
+        self._ever_listened: set[int] = set()  # the indices of those that listened once
         self._context = multiprocessing.get_context("spawn")
 
     async def start(self) -> None:
@@ -137,6 +138,7 @@ class Fleet:
             self.peers[index] = peer
             self._listened.add(process)
             self._failed_starts[index] = 0
+            self._ever_listened.add(index)
 
     def _on_exit(self, index: int, process: BaseProcess, exited: asyncio.Future[None]) -> None:
         loop = asyncio.get_running_loop()
@@ -206,6 +208,7 @@ class Fleet:
     async def _restart(self, index: int) -> None:
         if self.stopping:
             return
+        again = " again" if index in self._ever_listened else ""  # (not one never started)
         try:
             await self._start_one(index)
         except HttpProcessFailed as exc:
@@ -223,7 +226,7 @@ class Fleet:
         else:
             if (process := self.processes.get(index)) is not None and index in self.peers:
                 # (said once it is back: after failed starts, nothing said it had come)
-                log.info("HTTP process %d (pid %s) listening again", index, process.pid)
+                log.info("HTTP process %d (pid %s) listening%s", index, process.pid, again)
 
     def listening(self) -> int:
         """The HTTP processes listening now (one being replaced, or that cannot start

@@ -424,7 +424,7 @@ class BytesToLines(io.RawIOBase):
         self.decoder = codecs.getincrementaldecoder(lines.encoding)("replace")
 
     def write(self, data: Any) -> int:
-        written = bytes(data)
+        written = bytes(memoryview(data))  # (bytes(5) is five NULs: a TypeError, as ever)
         self.lines.write(self.decoder.decode(written))
         return len(written)
 
