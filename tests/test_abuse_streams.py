@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -93,10 +94,14 @@ class SteadyScheduler(FakeScheduler):
 
     async def run(self, inputs, params, deadline, control):
         listener = self.executor.listeners[control.stream_id]
-        for index, text in enumerate(self.texts):
-            token = {"id": index, "text": text, "logprob": -0.5, "special": False}
-            listener(TokenChunk(control.stream_id, 0, token))
-            await asyncio.sleep(0.001 if index else 0.05)  # (the head goes out first)
+        try:
+            for index, text in enumerate(self.texts):
+                token = {"id": index, "text": text, "logprob": -0.5, "special": False}
+                listener(TokenChunk(control.stream_id, 0, token))
+                await asyncio.sleep(0.001 if index else 0.05)  # (the head goes out first)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
         return [ItemResult(self.output, 0.0, 1, 0.0)]
 
 
@@ -148,6 +153,35 @@ async def test_a_client_taking_nothing_while_its_writer_waits_is_stopped(caplog,
     monkeypatch.setattr(streaming, "CLIENT_SILENT_SECONDS", 1.5 * UNREAD_SECONDS)
     events = await stalled_writer(caplog, None, 3 * UNREAD_SECONDS)
     assert told_unread(caplog) == 1 and events[-1]["error_type"] == "unavailable"
+
+
+async def test_a_client_that_stopped_reading_is_timed_from_its_last_read(monkeypatch):
+    """Its silence was timed from the first look, once the buffer had filled: a client
+    that stopped reading 20 s before was given the whole silence again, and met the
+    write timeout first, the generation running on for nobody (a tester)."""
+    monkeypatch.setattr(streaming, "CLIENT_SILENT_SECONDS", 1.5 * UNREAD_SECONDS)
+    tokens = 8 * STREAM_BUFFER_TOKENS
+    executor = FakeExecutor()
+    scheduler = SteadyScheduler(executor, [" a"] * tokens, {"generated_text": ""})
+    response = await open_stream(scheduler, executor)
+    taken = [0]
+    response.on_stream_start(lambda: taken[0])
+    started = time.monotonic()
+
+    async def reads_then_stops() -> None:
+        for _ in range(3):
+            await asyncio.sleep(0.1)
+            taken[0] += 65536
+
+    reading = asyncio.ensure_future(reads_then_stops())
+    events = response.stream
+    await anext(events)  # the writer takes one, then waits for room
+    await asyncio.wait_for(scheduler.cancelled.wait(), 10)
+    # the buffer full about 1.1 s in, looked at a second later: silent 1.8 s by then
+    # (timed from that look, the silence ran out a second look and more later)
+    assert time.monotonic() - started < 2 * UNREAD_SECONDS + 1.0
+    await events.aclose()
+    reading.cancel()
 
 
 async def test_choices_that_all_overflow_are_told_once_for_their_stream(caplog):

@@ -339,12 +339,33 @@ def test_nginxs_other_errors_are_json_and_readable_by_a_page_and_http_1_0_is_ans
         port, b"GET /health HTTP/1.1\r\nHost: a\r\n" + long_line + b"Connection: close\r\n\r\n"
     )
     assert status == 200  # rawserve's to judge: its head limit is 16 KiB
+    # what nginx refuses itself (a second review: a request line it could not read was
+    # an HTML 500, a redirect to a named location needing a URI), in the target's dialect
     too_long = b"X-Long: " + b"a" * 17_000 + b"\r\n"
-    status, headers, body = raw_exchange(
-        port, b"GET /health HTTP/1.1\r\nHost: a\r\n" + too_long + b"\r\n"
-    )
-    assert status == 400 and headers["content-type"] == "application/json"
-    assert "longer than this server takes" in json.loads(body)["error"]
+    for request, refused in [
+        (
+            b"GET /health HTTP/1.1\r\nHost: a\r\nOrigin: "
+            + origin.encode()
+            + b"\r\n"
+            + too_long
+            + b"\r\n",
+            400,
+        ),
+        (b"GET /v1/models?" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: a\r\n\r\n", 414),
+        (b"G@T / HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+        (b"TRACE / HTTP/1.1\r\nHost: a\r\n\r\n", 405),
+        (b"TRACE /v1/models HTTP/1.1\r\nHost: a\r\n\r\n", 405),  # OpenAI's shape
+        (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+        (b"GET / HTTP/3.0\r\nHost: a\r\n\r\n", 505),
+    ]:
+        status, headers, body = raw_exchange(port, request)
+        assert (status, headers["content-type"]) == (refused, "application/json"), body
+        error = json.loads(body)["error"]  # OpenAI's where its target was read
+        assert isinstance(error, dict) is request.startswith(b"TRACE /v1/"), body
+        message = error["message"] if isinstance(error, dict) else error
+        assert message.startswith("nginx refused the request"), body
+        if b"Origin" in request:
+            assert headers["access-control-allow-origin"] == origin
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     connection.request("POST", "/", b"x" * (3 * 1024 * 1024), {"Origin": origin})
     response = connection.getresponse()

@@ -64,6 +64,7 @@ UNREAD_SECONDS = 1.0
 # only as its receive window opens again (up to 64 KB at a time on loopback: at 10 KB/s,
 # every 6 s), and lost its stream "for leaving tokens unread" at one second's look
 CLIENT_SILENT_SECONDS = 10.0
+CLIENT_LOOK_SECONDS = 0.5  # how often a stream whose writer is behind looks at its client
 # ... and whatever the reads, never more than this many wait (the memory they take)
 STREAM_HOLD_TOKENS = 4 * STREAM_BUFFER_TOKENS
 
@@ -138,6 +139,7 @@ class TokenStream:
         # meanwhile. The count last seen, and when it last grew.
         self.client_took: Callable[[], int] | None = None
         self.client_seen = (0, 0.0)
+        self.client_looked = 0.0  # when it was last looked at
         self.unread_check: asyncio.TimerHandle | None = None
         self.overflowed = False
         self.closed = False
@@ -163,6 +165,8 @@ class TokenStream:
             self._overflow()
             return
         self.queue.put_nowait(chunk)
+        if self.client_took is not None and self.queue.qsize() > 1:  # (its writer is behind)
+            self._look_at_client(CLIENT_LOOK_SECONDS)
         if self.queue.qsize() >= STREAM_BUFFER_TOKENS and self.unread_check is None:
             self._arm_unread_check()
 
@@ -173,7 +177,23 @@ class TokenStream:
     def watched(self, client_took: Callable[[], int]) -> None:
         """Told, as its answer starts, how to ask what its client has taken of it."""
         self.client_took = client_took
-        self.client_seen = (client_took(), time.monotonic())
+        now = time.monotonic()
+        self.client_seen = (client_took(), now)
+        self.client_looked = now
+
+    def _look_at_client(self, after: float = 0.0) -> float:
+        """Note whether its client has taken more since the last look (looked at no more
+        often than every `after` seconds), and say how long it has taken none: timed from
+        its last read, not from the first look (a client that stopped reading 20 s before
+        the buffer filled was given 10 s more, and met the write timeout first)."""
+        assert self.client_took is not None
+        now = time.monotonic()
+        if now - self.client_looked >= after:
+            self.client_looked = now
+            took = self.client_took()
+            if took != self.client_seen[0]:
+                self.client_seen = (took, now)
+        return now - self.client_seen[1]
 
     def _check_unread(self, reads: int) -> None:
         """Stop the stream if its writer took nothing since `reads`, with the buffer full
@@ -185,13 +205,9 @@ class TokenStream:
         self.unread_check = None
         if self.run.done() or self.reads != reads or self.queue.qsize() < STREAM_BUFFER_TOKENS:
             return
-        if self.client_took is not None:
-            took, now = self.client_took(), time.monotonic()
-            if took != self.client_seen[0]:
-                self.client_seen = (took, now)
-            if now - self.client_seen[1] < CLIENT_SILENT_SECONDS:
-                self._arm_unread_check()
-                return
+        if self.client_took is not None and self._look_at_client() < CLIENT_SILENT_SECONDS:
+            self._arm_unread_check()
+            return
         self._overflow()
 
     def _overflow(self) -> None:
