@@ -761,23 +761,27 @@ async def test_streamed_response_is_chunked_and_stops_when_the_client_leaves():
     assert produced == [0, 1]
 
 
+class GatedStreamApp(FakeApp):
+    """Streams one event, then a second once `gate` is set."""
+
+    def __init__(self):
+        self.gate = asyncio.Event()
+
+    async def tokens(self):
+        yield b"data: 0\n\n"
+        await self.gate.wait()
+        yield b"data: 1\n\n"
+
+    async def handle(self, request):
+        return HttpResponse(200, content_type="text/event-stream", stream=self.tokens())
+
+
 async def test_a_stream_the_client_leaves_midway_has_its_access_line(caplog):
     """A token stream whose client vanishes mid-answer is still one access line (and one
     count in /metrics): the status its head said and the bytes sent until then, as
     nginx logs a response cut short."""
     loop = asyncio.get_running_loop()
-    gate = asyncio.Event()
-
-    async def tokens():
-        yield b"data: 0\n\n"
-        await gate.wait()
-        yield b"data: 1\n\n"
-
-    class StreamApp(FakeApp):
-        async def handle(self, request):
-            return HttpResponse(200, content_type="text/event-stream", stream=tokens())
-
-    protocol = HttpProtocol(StreamApp(), loop=loop)
+    protocol = HttpProtocol(GatedStreamApp(), loop=loop)
     protocol.connection_made(FakeTransport())
     with caplog.at_level("INFO", logger="rawserve.access"):
         protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\nX-Request-Id: left-1\r\n\r\n")
@@ -3065,24 +3069,13 @@ async def test_a_stream_begun_before_a_drain_closes_its_connection_at_its_end(dr
     """Its head went out before the drain began, saying nothing of a close: the
     connection was kept after the stream ended, and a pooled client sending its next
     request on it got a 503, or a reset as the drain ended a moment later (a tester)."""
-    gate = asyncio.Event()
-
-    async def tokens():
-        yield b"data: 0\n\n"
-        await gate.wait()
-        yield b"data: 1\n\n"
-
-    class StreamApp(FakeApp):
-        async def handle(self, request):
-            return HttpResponse(200, content_type="text/event-stream", stream=tokens())
-
-    app = StreamApp()
+    app = GatedStreamApp()
     protocol, transport = connected_to(app)
     protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")
     await settle()
     assert b"connection: close" not in transport.written.lower()
     app.draining = draining  # a stop signal, while the stream runs
-    gate.set()
+    app.gate.set()
     await settle()
     assert b"data: 1" in transport.written and transport.written.endswith(b"0\r\n\r\n")
     assert transport.finished is draining

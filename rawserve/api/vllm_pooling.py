@@ -22,7 +22,7 @@ import numpy as np
 
 from rawserve.api.bodies import answer, check_client_batch, read_json
 from rawserve.api.context import RouteContext
-from rawserve.api.fields import Body, Field, Fields, flag, item_name, text
+from rawserve.api.fields import Body, Field, Fields, flag, item_name, text, texts_schema
 from rawserve.api.openai_generation import is_token_ids
 from rawserve.api.outcomes import unwrap_all
 from rawserve.api.prompt_cuts import TRUNCATE_PROMPT_TOKENS, asked_cut, cut_fields
@@ -76,17 +76,16 @@ def read_texts(name: str, value: Any, context: DocContext | None) -> list[str]:
     return checked_texts(texts, f'"{name}"')
 
 
-def texts_schema(context: DocContext) -> Schema:
-    many = {"type": "array", "items": {"type": "string"}, "minItems": 1}
-    return {"oneOf": [{"type": "string"}, {**many, "maxItems": context.max_inputs}]}
-
-
 TEXTS = Field(texts_schema, read_texts)
 ACTIVATION = {
-    name: flag(True, "Scores as probabilities (a softmax, or a sigmoid for one label); "
-               "false: the model's logits.") if name == "use_activation" else flag(True)
-    for name in ("use_activation", "activation", "softmax")  # (vLLM's older names)
-}  # fmt: skip
+    "use_activation": flag(
+        True,
+        "Scores as probabilities (a softmax, or a sigmoid for one label); false: the "
+        "model's logits.",
+    ),
+    "activation": flag(True),  # (vLLM's older names of it)
+    "softmax": flag(True),
+}
 CLASSIFY = Body(
     {
         "input": Field(texts_schema, read_texts, reads_null=True, required=True),
@@ -222,11 +221,6 @@ class VllmPoolingRoutes:
         (first, firsts), (second, seconds) = sides(fields, self.within(model))
         fields.value("user")
         first_names, second_names = names_of(first, firsts), names_of(second, seconds)
-        named = {  # what a failure calls a text: its first place in the body
-            text: name
-            for side, names in ((seconds, second_names), (firsts, first_names))
-            for text, name in reversed([*zip(side, names, strict=True)])
-        }
         cut = asked_cut(model, fields)
         deadline = self.context.deadline(request)
         if CROSS_ENCODER.missing(model) is None:
@@ -242,7 +236,12 @@ class VllmPoolingRoutes:
             raw = not activated(fields)
             found = [float(scores(output["logits"], raw)[0]) for output in outputs]
         else:
-            texts = [*dict.fromkeys([*firsts, *seconds])]  # each text embedded once
+            named = {  # each text embedded once, called by its first place in the body
+                text: name
+                for side, names in ((seconds, second_names), (firsts, first_names))
+                for text, name in reversed([*zip(side, names, strict=True)])
+            }
+            texts = [*dict.fromkeys([*firsts, *seconds])]
             inputs = [*prompted(model, texts, None)]  # the model's default prompt, if any
             names = [named[text] for text in texts]
             if cut is None:
@@ -276,12 +275,14 @@ class VllmPoolingRoutes:
         together (the worker's refusal said "send truncate: true", which /score does not
         read, and came after the pair had queued)."""
         positions = model.positions
+        if positions < 1:  # (a model naming none)
+            return
         (_, firsts), (second, seconds) = sides
         pairs = [*zip(broadcast(firsts, seconds), seconds, strict=True)]
         maybe = [
             index
             for index, (a, b) in enumerate(pairs)
-            if positions > 0 and TOKENS_PER_CHARACTER * (len(a) + len(b)) > positions
+            if TOKENS_PER_CHARACTER * (len(a) + len(b)) > positions
         ]
         tokenizer = await self.context.tokenizers.get(model) if maybe else None
         if tokenizer is None:

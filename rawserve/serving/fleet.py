@@ -200,7 +200,7 @@ class Fleet:
         if self.stopping:
             return
         log.warning("HTTP process %d (pid %s) stopped on a signal; starting another", index, pid)
-        asyncio.get_running_loop().create_task(self._restart(index))
+        self._restart_later(index)
 
     def _restart_later(self, index: int) -> None:
         asyncio.get_running_loop().create_task(self._restart(index))
