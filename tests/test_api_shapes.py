@@ -525,6 +525,56 @@ def test_the_document_says_which_raw_bodies_post_takes(task, raw):
         assert set(content) == {"application/json", *raw}
 
 
+def post_answers(document, path="/"):
+    """The validator of `path`'s 200 answer, as the document describes it."""
+    answer = document["paths"][path]["post"]["responses"]["200"]
+    return jsonschema.Draft202012Validator(answer["content"]["application/json"]["schema"])
+
+
+@pytest.mark.parametrize(
+    ("task", "key"),
+    [
+        ("summarization", "summary_text"),
+        ("translation", "translation_text"),
+        ("text2text-generation", "generated_text"),
+    ],
+)
+def test_a_seq2seq_answer_of_several_sequences_per_input_is_as_documented(task, key):
+    """A list of inputs with num_return_sequences=2 is answered a list of lists (as the
+    pipeline answers it): the document allowed a list of objects only."""
+    document = json.loads(asyncio.run(app_for(task).openapi(get("/openapi.json"))).body)
+    one = {key: "a"}
+    for path in ("/", "/models/m"):
+        answers = post_answers(document, path)
+        for answer in ([one], [one, one], [[one, one], [one, one]]):
+            answers.validate(answer)
+        assert not answers.is_valid({key: "a"}) and not answers.is_valid([{"other": "a"}])
+
+
+def test_the_document_asked_while_the_model_loads_is_its_tasks():
+    """While the model loads, /openapi.json already listed its task's routes but
+    described POST / for no task ("what the handler answers"): a gateway that reads the
+    document as the pod starts got placeholders. The task it was started with is known."""
+
+    class Loading(Loaded):
+        def __init__(self, task):
+            super().__init__(task, {}, None)
+            self.ready, self.loaded = False, None
+
+    def document(workers):
+        facts = {"task": "feature-extraction", "batching": {}}
+        model = ServedModel("m", ModelService(Idle(), workers), facts)
+        app = App(ServedModels([model]), AppSettings())
+        return json.loads(asyncio.run(app.openapi(get("/openapi.json"))).body)
+
+    loading = document(Loading("feature-extraction"))
+    loaded = document(Loaded("feature-extraction", {}, None))
+    for path in ("/", "/models/m", "/invocations"):
+        assert loading["paths"][path] == loaded["paths"][path], path
+    assert "feature-extraction" in json.dumps(loading["paths"]["/"]["post"])
+    post_answers(loading).validate([[0.5, 0.25]])
+
+
 def test_a_models_name_is_percent_encoded_in_the_documents_paths():
     """A folder named `my cls` made the path keys `/models/my cls`, which no URL is
     (generated clients broke); the server reads `/models/my%20cls` as that name."""
@@ -1327,6 +1377,15 @@ def test_media_sent_to_a_route_that_reads_json_is_415(media_type):
             ["a"],
         ),
         ([], b'\xef\xbb\xbf {"inputs": "a"}', ["a"]),
+        # JSON in UTF-16 or UTF-32 (PowerShell's Out-File, Notepad's "Unicode"), as
+        # json.loads reads it: with a byte order mark it was 415 "not UTF-8 text", and
+        # UTF-16BE without one was read as text with a NUL between the letters
+        *(
+            ([], ("\ufeff" * bom + ' {"inputs": "a"}').encode(encoding), ["a"])
+            for encoding in ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
+            for bom in (0, 1)
+        ),
+        ([], "\ufeff a {".encode("utf-16-be"), [" a {"]),  # text: its mark says UTF-16
     ],
 )
 def test_a_body_is_read_as_json_when_so_typed_or_untyped_and_an_object(headers, body, inputs):
@@ -2906,6 +2965,22 @@ def test_a_response_says_back_who_asked_and_the_cache_key_as_sent():
     assert (body["truncation"], body["service_tier"]) == ("disabled", "default")
     status, body, _ = generated("/v1/responses", {"input": "hi", "service_tier": "auto"}, 64)
     assert status == 200 and body["user"] is None and body["service_tier"] == "default"
+    # and what it served of `background` and `text.verbosity`, which it said null
+    asked = {"input": "hi", "background": False, "text": {"verbosity": "medium"}}
+    status, body, _ = generated("/v1/responses", asked, 64)
+    assert status == 200 and body["background"] is False, body
+    assert body["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
+
+
+def test_a_chat_answer_says_the_service_tier_it_was_served_in():
+    """OpenAI's chat answers (and each chunk) say their service tier, "default" where
+    "auto" was asked; rawserve's said none, where its Responses say "default"."""
+    document = {"messages": HI, "service_tier": "auto"}
+    status, body, _ = generated("/v1/chat/completions", document, 64)
+    assert status == 200 and body["service_tier"] == "default", body
+    assert Answer(True, "m").head(chunk=True)["service_tier"] == "default"
+    status, body, _ = generated("/v1/completions", {"prompt": "hi"}, 64)
+    assert status == 200 and "service_tier" not in body  # (no field of a completion's)
 
 
 class FakeClock:
@@ -3038,7 +3113,7 @@ def test_a_task_answering_one_input_with_a_list_is_documented_so():
 
     from rawserve.api.schemas import inference_response
 
-    context = SimpleNamespace(model=SimpleNamespace(task="summarization"))
+    context = SimpleNamespace(model=SimpleNamespace(known_task="summarization"))
     schema = inference_response(context)
     jsonschema.validate([{"summary_text": "s"}], schema)
     with pytest.raises(jsonschema.ValidationError):

@@ -139,12 +139,14 @@ def is_json(request: HttpRequest) -> bool:
     """The body is JSON: so typed (application/json, the older text/json, or a type of
     JSON's suffix, application/vnd.api+json), or untyped (InferenceClient posts JSON
     without a Content-Type) or typed as curl -d types everything, and starting like an
-    object (after a byte order mark: `curl -d @body.json` of a file Notepad saved)."""
+    object (after a byte order mark: `curl -d @body.json` of a file Notepad saved), in
+    any encoding JSON is read in (UTF-8, UTF-16 or UTF-32: PowerShell's Out-File)."""
     content_type = (request.header("content-type") or "").split(";")[0].strip().lower()
     if content_type in JSON_MEDIA_TYPES or content_type.endswith("+json"):
         return True
-    start = request.body.removeprefix(UTF8_BYTE_ORDER_MARK).lstrip()[:1]
-    return content_type in ("", CURL_FORM) and start == b"{"
+    head = request.body[:64]
+    start = head.decode(json.detect_encoding(head), "ignore").lstrip(BYTE_ORDER_MARK + " \t\r\n")
+    return content_type in ("", CURL_FORM) and start[:1] == "{"
 
 
 # the media types that are never text, whatever their bytes decode as
@@ -161,7 +163,10 @@ def read_text(request: HttpRequest) -> str:
     media_type = content_type.split(";")[0].strip().lower()
     if media_type.startswith(MEDIA_NOT_TEXT):  # (a short WAV can be valid UTF-8)
         raise UnsupportedMediaType(f"the body is {media_type}: this model reads text")
-    charset = media_type_parameter(content_type, "charset") or "UTF-8"
+    # a byte order mark says the charset, over what the type names (as browsers read
+    # text): UTF-16 read as UTF-8 was 415, or text with a NUL between the letters
+    charset = marked_charset(request.body) or media_type_parameter(content_type, "charset")
+    charset = charset or "UTF-8"
     try:
         codec = codecs.lookup(charset).name
         if codec in PYTHON_ENCODINGS:
@@ -182,6 +187,16 @@ def read_text(request: HttpRequest) -> str:
         ) from None
     except UnicodeDecodeError:
         raise UnsupportedMediaType(f"the body is not {charset} text") from None
+
+
+def marked_charset(body: bytes) -> str | None:
+    """The charset `body`'s byte order mark says (UTF-8's or UTF-16's, as the WHATWG
+    decoders read them); None where it starts with none."""
+    if body.startswith(UTF8_BYTE_ORDER_MARK):
+        return "utf-8"
+    if body.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"  # (its decoder reads the mark's byte order, and drops it)
+    return None
 
 
 def refuse_media_not_json(request: HttpRequest) -> None:

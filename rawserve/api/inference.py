@@ -140,7 +140,7 @@ def inference_body(task_name: str) -> Body:
 
 def inference_request(context: DocContext) -> Schema:
     """The schema of `POST /`'s JSON body for the served model's task."""
-    return inference_body(context.model.task or "").schema(context)
+    return inference_body(context.model.known_task or "").schema(context)
 
 
 def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> ParsedRequest:

@@ -85,7 +85,7 @@ def describe(route: Route, context: DocContext, api_key: bool) -> dict[str, Any]
     if operation.request is not None:
         body = {"application/json": {"schema": operation.request(context)}}
         if operation.text_body:  # `curl -d`: the whole body is one input
-            body.update(raw_bodies(context.model.task))
+            body.update(raw_bodies(context.model.known_task))
         described["requestBody"] = {"required": True, "content": body}
     if api_key:
         described["security"] = [{"apiKey": []}] if route.secured else []

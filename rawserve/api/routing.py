@@ -61,7 +61,7 @@ class Needs:
         only its folder's task is known (so a model still loading never takes the
         requests of a route that another, ready, model fits)."""
         loaded = model.serving.loaded
-        task = loaded.task if loaded is not None else model.facts.get("task")
+        task = model.known_task
         if self.any_of:  # the reason of the one of the model's task, where one is
             reasons = [(task in needs.tasks, needs.unfit(model)) for needs in self.any_of]
             return None if any(r is None for _, r in reasons) else max(reasons)[1]

@@ -218,8 +218,7 @@ def invocation_path(document: Any, models: ServedModels) -> str:
         if "prompt" in body:
             return "/v1/completions"
     model = chosen_model(body.get("model"), models)
-    # (before a worker has loaded it, the task the server was started with)
-    task = model.task or model.facts.get("task")
+    task = model.known_task
     if task == "text-generation":  # (TGI tries its bodies in this order)
         return GENERATE_STREAM if body.get("stream") is True else GENERATE
     if task == "feature-extraction":  # (a SPLADE model's: its sparse vectors, as TEI's)

@@ -136,7 +136,7 @@ TEI_DECODE_RESPONSE: Schema = {"type": "array", "items": {"type": "string"}}
 
 def inference_response(context: DocContext) -> Schema:
     """The answer to one input, or the list of answers to a list of inputs."""
-    task = task_rules(context.model.task or "")
+    task = task_rules(context.model.known_task or "")
     if task is None:
         return {"description": "what the handler answers"}
     item = task.output_schema
@@ -223,7 +223,7 @@ OPENAI_EMBEDDINGS_RESPONSE: Schema = {
 
 def generation_events(context: DocContext) -> Schema | None:
     """An event of a streamed text-generation answer (TGI's shape); None for other tasks."""
-    if context.model.task != "text-generation":
+    if context.model.known_task != "text-generation":
         return None
     return {
         "type": "object",

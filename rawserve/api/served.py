@@ -47,6 +47,13 @@ class ServedModel:
         return loaded.task if loaded else None
 
     @property
+    def known_task(self) -> str | None:
+        """The task as far as it is known: the loaded model's, else the one the server
+        was started with (its folder's, or the one named): /openapi.json is asked for
+        while the model loads, and described it for no task."""
+        return self.task or self.facts.get("task")
+
+    @property
     def positions(self) -> int:
         """The most tokens the loaded model reads of an input (its worker's
         `max_input_length`); 0 until a worker has loaded it."""

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import Checker, boolean, checker, float_range, int_range, one_of, prompt
+from rawserve.tasks.checks import (
+    Checker,
+    boolean,
+    checker,
+    float_range,
+    int_range,
+    one_of,
+    one_or_list,
+    prompt,
+)
 from rawserve.tasks.rules import MAX_NEW_TOKENS, SingleAnswer, Task
 
 
@@ -115,11 +124,10 @@ def _task(name: str, translates: bool) -> Task:
             **GENERATE_PARAMS,
         },
         single_answer=SingleAnswer.LIST,
-        output_schema={
-            "type": "object",
-            "required": [key],
-            "properties": {key: {"type": "string"}},
-        },
+        # a list of them for an input of a list asking num_return_sequences > 1
+        output_schema=one_or_list(
+            {"type": "object", "required": [key], "properties": {key: {"type": "string"}}}
+        ),
     )
 
 
