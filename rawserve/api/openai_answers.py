@@ -159,6 +159,8 @@ class Answer:
             "model": self.model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
         }
+        if self.chat:  # (what "auto" is served as, as OpenAI's chat answers say it)
+            head["service_tier"] = "default"
         if chunk and self.usage_in_chunks:
             head["usage"] = None
         return head

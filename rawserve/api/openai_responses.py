@@ -378,8 +378,9 @@ class ResponseAnswer:
             **{name: self.settings.get(name) for name in ECHOED},
             "truncation": "disabled",  # (the only one served)
             "service_tier": "default",  # (what "auto" is served as, as OpenAI says it)
+            "background": False,  # (the only one served)
             "metadata": self.settings["metadata"],
-            "text": {"format": form},
+            "text": {"format": form, "verbosity": "medium"},  # (the only one served)
             "usage": None,
             **fields,
         }
