@@ -62,6 +62,7 @@ from rawserve.http.cycle import (
     header_list,
     is_probe,
     keeps_alive,
+    line_request,
     routed_path,
 )
 from rawserve.http.errors import (
@@ -582,7 +583,10 @@ class HttpProtocol(asyncio.Protocol):
         cycle.keep_alive = keeps_alive(event, fields)
         try:
             cycle.early = self.app.answer_now(cycle.head)
-            if cycle.early is None and (coding := header_list(fields, b"content-encoding")):
+            # (a request with no body has nothing to decode, whatever its head says: a GET
+            # of /info saying gzip was 400 "the body's gzip data ends early")
+            coding = header_list(fields, b"content-encoding") if has_content(fields) else None
+            if cycle.early is None and coding:
                 cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
             cycle.early = self._error(cycle, exc)
@@ -641,7 +645,7 @@ class HttpProtocol(asyncio.Protocol):
         request = cycle.head
         request.body = b"".join(cycle.body)
         cycle.body = []
-        if cycle.codings:
+        if cycle.codings and request.body:  # (an empty chunked body is no gzip either)
             try:
                 limit = self.settings.max_body_bytes
                 request.body = decoded(request.body, cycle.codings, limit)
@@ -694,6 +698,8 @@ class HttpProtocol(asyncio.Protocol):
         head = cycle.head
         if head is None and cycle.request is not None:  # refused from its head
             head = head_request(cycle.request, list(cycle.request.headers), cycle.request_id)
+        elif head is None:  # refused before h11 parsed a head: its request line's path
+            head = line_request(self.head_lines.request_line, cycle.request_id)
         render = self.app.refusal_renderer(head) if head is not None else None
         return (render or error_response)(exc, cycle.request_id)
 

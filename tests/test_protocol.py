@@ -388,6 +388,73 @@ async def test_a_head_of_too_many_fields_is_refused_before_it_is_parsed(server, 
     )
 
 
+class ShapedApp(EchoApp):
+    """Shapes the protocol's refusals on /v1/ paths its own way (the real app: OpenAI's)."""
+
+    def refusal_renderer(self, request):
+        if not request.path.startswith("/v1/"):
+            return None
+        return lambda exc, request_id: HttpResponse(
+            exc.status, b'{"shaped": "' + exc.message.encode() + b'"}'
+        )
+
+
+@pytest.mark.parametrize("size", [None, 9])
+@pytest.mark.parametrize(("path", "shaped"), [("/v1/models", True), ("/x", False)])
+async def test_a_head_of_too_many_fields_is_refused_in_its_routes_shape(size, path, shaped):
+    """Refused before h11 parsed it, a /v1/ head of 101 fields came in rawserve's shape,
+    where a head too large on the same path came in OpenAI's: its request line says it."""
+    from rawserve.http.head_lines import MAX_HEADER_LINES
+
+    protocol = HttpProtocol(ShapedApp(), loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    over = with_fields(MAX_HEADER_LINES + 1, path)
+    for at in range(0, len(over), size or len(over)):
+        protocol.data_received(over[at : at + (size or len(over))])
+    await settle()
+    [(refused, body)] = read_responses(transport.written, [over])
+    assert refused.status_code == 431
+    said = f"the request has more than {MAX_HEADER_LINES} header fields"
+    assert json.loads(body) == {"shaped": said} if shaped else json.loads(body)["error"] == said
+
+
+def test_a_heads_request_line_is_kept_once_whole():
+    from rawserve.http.head_lines import REQUEST_LINE_KEPT, HeadLines
+
+    lines = HeadLines()
+    for piece in (b"GET /v1/mo", b"dels HTTP/1.1\r", b"\nHost: a\r\n"):
+        assert lines.request_line == b""
+        lines.add(piece)
+    assert lines.request_line == b"GET /v1/models HTTP/1.1"
+    long = HeadLines()
+    long.add(b"GET /" + b"x" * REQUEST_LINE_KEPT + b" HTTP/1.1\r\n")
+    assert long.request_line == b""  # (too long to keep: refused in rawserve's shape)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "GET /x HTTP/1.1\r\nHost: a\r\nContent-Encoding: gzip\r\n\r\n",
+        "GET /x HTTP/1.1\r\nHost: a\r\nContent-Encoding: br\r\n\r\n",
+        "POST /x HTTP/1.1\r\nHost: a\r\nContent-Encoding: gzip\r\nContent-Length: 0\r\n\r\n",
+        "POST /x HTTP/1.1\r\nHost: a\r\nContent-Encoding: deflate\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    ],
+    ids=["GET gzip", "GET br", "empty gzip", "empty chunked deflate"],
+)
+async def test_a_request_with_no_body_has_nothing_to_decode(server, head):
+    """RFC 9110 8.4: a coding is the content's; a GET of /info saying gzip was 400 "the
+    body's gzip data ends early" (and 415 saying br), where /health answered it."""
+    app, protocol, transport = server
+    request = head.encode()
+    protocol.data_received(request)
+    await settle()
+    [(response, answer)] = read_responses(transport.written, [request])
+    assert response.status_code == 200 and json.loads(answer) == {"path": "/x", "body": ""}
+    assert not transport.finished
+
+
 async def test_a_pipelined_head_of_too_many_fields_is_refused_after_the_answers_before_it(server):
     app, protocol, transport = server
     requests = [with_fields(3, "/1", b"1"), with_fields(300, "/2"), with_fields(3, "/3")]

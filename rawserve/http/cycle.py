@@ -78,16 +78,30 @@ def head_request(
     event: h11.Request, fields: list[tuple[bytes, bytes]], request_id: str
 ) -> HttpRequest:
     """The request as the app sees it, from its head (the body is filled in once read)."""
-    target = event.target.decode("ascii", "replace")
-    path, _, query = target.partition("?")
+    return _request(event.method, event.target, event.http_version, fields, request_id)
+
+
+def line_request(line: bytes, request_id: str) -> HttpRequest | None:
+    """The request a request line names, its fields unread (a head refused before h11
+    parsed it is answered in its route's shape); None for what is no request line."""
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        return None
+    return _request(parts[0], parts[1], parts[2].removeprefix(b"HTTP/"), [], request_id)
+
+
+def _request(
+    method: bytes, target: bytes, version: bytes, fields: list[tuple[bytes, bytes]], request_id: str
+) -> HttpRequest:
+    path, _, query = target.decode("ascii", "replace").partition("?")
     return HttpRequest(
-        method=event.method.decode("ascii", "replace"),
+        method=method.decode("ascii", "replace"),
         path=routed_path(path),
         query=query,
         headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in fields],
         body=b"",
         request_id=request_id,
-        http_version=event.http_version.decode("ascii", "replace"),
+        http_version=version.decode("ascii", "replace"),
     )
 
 

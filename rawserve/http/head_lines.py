@@ -9,6 +9,8 @@ its bytes, before h11 reads it. Plain bytes work; no I/O.
 from __future__ import annotations
 
 MAX_HEADER_LINES = 100  # header fields a request head may have (its request line aside)
+# the most of a request line kept for a refusal's shape (OpenAI's on its routes)
+REQUEST_LINE_KEPT = 8192
 
 
 class HeadLines:
@@ -18,10 +20,17 @@ class HeadLines:
         self.count = 0
         self.ended = False
         self._tail = b""  # the last bytes before these: an end may span two reads
+        # the request line, once whole: the path of a head refused before h11 parsed it
+        self.request_line = b""
+        self._start = b""
 
     def add(self, data: bytes) -> None:
         if self.ended:
             return
+        if not self.request_line and len(self._start) <= REQUEST_LINE_KEPT:
+            self._start += data[: REQUEST_LINE_KEPT + 1 - len(self._start)]
+            line, ended, _ = self._start.partition(b"\n")
+            self.request_line = line.rstrip(b"\r") if ended else b""
         seen = self._tail + data
         ends = [at for at in (seen.find(b"\n\r\n"), seen.find(b"\n\n")) if at >= 0]
         stop = min(ends) + 1 if ends else len(seen)  # (the empty line's own end not counted)
