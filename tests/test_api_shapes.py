@@ -551,6 +551,50 @@ def test_a_seq2seq_answer_of_several_sequences_per_input_is_as_documented(task, 
         assert not answers.is_valid({key: "a"}) and not answers.is_valid([{"other": "a"}])
 
 
+def request_schema(task, path):
+    details = {"id2label": {"0": "a"}, "chat_template": True}
+    document = json.loads(asyncio.run(app_for(task, details).openapi(get("/openapi.json"))).body)
+    body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    return jsonschema.Draft202012Validator(body["schema"])
+
+
+@pytest.mark.parametrize(
+    ("task", "path", "body", "valid"),
+    [
+        ("feature-extraction", "/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0}, 0),
+        ("feature-extraction", "/v1/embeddings", {"input": "a", "truncate_prompt_tokens": -1}, 1),
+        ("feature-extraction", "/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 3}, 1),
+        ("text-classification", "/classify", {"input": "a", "truncate_prompt_tokens": 0}, 0),
+        ("text-classification", "/classify", {"input": "a", "truncate_prompt_tokens": None}, 1),
+        ("text-generation", "/v1/chat/completions", {"messages": [{"role": "system"}]}, 0),
+        (
+            "text-generation",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": None}]},
+            0,
+        ),
+        (
+            "text-generation",
+            "/v1/chat/completions",
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
+            1,
+        ),
+        (
+            "text-generation",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}]},
+            1,
+        ),
+        ("text-generation", "/v1/responses", {"input": [None]}, 0),
+        ("text-generation", "/v1/responses", {"input": [{"role": "user", "content": "a"}]}, 1),
+    ],
+)
+def test_the_documents_request_schemas_refuse_what_the_server_refuses(task, path, body, valid):
+    """A fuzzer found bodies the document took that the server answers 400: vLLM's
+    truncate_prompt_tokens 0, a system message without content, an input item null."""
+    assert request_schema(task, path).is_valid(body) is bool(valid)
+
+
 def test_the_document_asked_while_the_model_loads_is_its_tasks():
     """While the model loads, /openapi.json already listed its task's routes but
     described POST / for no task ("what the handler answers"): a gateway that reads the

@@ -265,4 +265,7 @@ MESSAGE: Schema = {
         "reasoning": {"type": ["string", "null"]},
     },
     "additionalProperties": False,
+    # only an assistant's may be without its content (beside its tool calls or refusal)
+    "if": {"properties": {"role": {"const": "assistant"}}},
+    "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
 }

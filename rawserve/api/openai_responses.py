@@ -158,7 +158,13 @@ TEXT_FORMAT = OPENAI_RESPONSE_FORMAT["properties"]["type"]
 RESPONSES = Body(
     {
         "input": Field(
-            {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]},
+            # (a text is the user's message; else items: messages, earlier answers' parts)
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "minItems": 1, "items": {"type": "object"}},
+                ]
+            },
             read_input,
             reads_null=True,
             required=True,

@@ -32,7 +32,7 @@ def cut_fields(absent: str) -> dict[str, Field]:
     where `truncate_prompt_tokens` is not given."""
     return {
         TRUNCATE_PROMPT_TOKENS: Field(
-            {"type": ["integer", "null"], "minimum": -1},
+            {"anyOf": [{"type": "integer", "minimum": 1}, {"enum": [-1, None]}]},
             read_truncation,
             description="Cut each input to this many tokens, special tokens included (-1: "
             f"to the model's length); none: {absent}.",
