@@ -163,6 +163,11 @@ class Application(Protocol):
         here, never kept). May raise HTTPError."""
         ...
 
+    def body_deadline(self, request: HttpRequest) -> float | None:
+        """When the request must be answered, on time.monotonic's clock (None: no deadline
+        of its own): its body is not waited for past it."""
+        ...
+
     def refusal_renderer(self, request: HttpRequest) -> ErrorRenderer | None:
         """How the protocol's own refusals of a request (its framing, size, coding) are
         shaped where its route's clients read only a shape of their own (OpenAI's object
@@ -282,7 +287,8 @@ class HttpProtocol(asyncio.Protocol):
         elif self.phase is Phase.HEAD:
             self._fail(refusals.too_slow("head"))
         elif self.phase is Phase.BODY:
-            self._fail(refusals.too_slow("body"))
+            due = self.cycle is not None and self.cycle.body_due
+            self._fail(refusals.deadline_passed_in_body() if due else refusals.too_slow("body"))
         elif self.phase is Phase.LINGER:
             self._close_transport()
 
@@ -590,6 +596,8 @@ class HttpProtocol(asyncio.Protocol):
                 cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
             cycle.early = self._error(cycle, exc)
+        if cycle.early is None and has_content(fields):
+            self._bound_body_by_deadline(cycle, cycle.head)
         # with no body to come, nothing waits for a 100: the request is answered whole
         waits = self.conn.they_are_waiting_for_100_continue and has_content(fields)
         if cycle.early is not None and waits:
@@ -603,6 +611,19 @@ class HttpProtocol(asyncio.Protocol):
                     h11.InformationalResponse(status_code=100, headers=[], reason="Continue")
                 )
             )
+
+    def _bound_body_by_deadline(self, cycle: Cycle, head: HttpRequest) -> None:
+        """A body that comes slower than its request's deadline is not waited for past
+        it: 504 then, and the connection closed (RFC 9112 9.3 lets an answer go before the
+        body ends). Its 504 came once its last byte did, up to --body-timeout late."""
+        deadline = self.app.body_deadline(head)
+        body_timeout = self.settings.deadlines.get(Phase.BODY)
+        if deadline is None:
+            return
+        left = deadline - time.monotonic()
+        if body_timeout is None or left < body_timeout:
+            cycle.body_due = True
+            self.timer.set(max(left, 0.0))
 
     def _measure_chunks(self, data: bytes) -> bool:
         """Count a chunked body's bytes as sent (announced sizes, extensions, trailers,

@@ -1175,6 +1175,52 @@ async def timed():
     return app, protocol, transport, loop
 
 
+class DueApp(EchoApp):
+    """Each request is due `seconds` after its head (X-Request-Timeout's, in the app)."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def body_deadline(self, request):
+        return time.monotonic() + self.seconds
+
+
+@pytest.mark.parametrize(("due", "status", "at"), [(3, 504, 3), (60, 408, 20)])
+async def test_a_body_slower_than_its_deadline_is_answered_504_at_the_deadline(due, status, at):
+    """A body sent a byte at a time past its request's deadline had its 504 once its
+    last byte came (up to --body-timeout, 30 s, late for a 1 s deadline); the deadline
+    bounds the body's time now, and --body-timeout where it is the nearer."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    app = DueApp(due)
+    protocol = HttpProtocol(app, ProtocolSettings(body_timeout=20), loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc")
+    await settle()
+    loop.advance(at - 0.1)
+    assert not transport.written
+    loop.advance(0.2)
+    [(response, body)] = read_responses(transport.written)
+    assert response.status_code == status and transport.finished and not app.seen
+    if status == 504:
+        assert "deadline passed before its body was all received" in json.loads(body)["error"]
+        assert dict(response.headers)[b"x-should-retry"] == b"false"
+
+
+async def test_a_body_that_comes_whole_is_answered_whatever_its_deadline():
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    app = DueApp(0.001)  # (the app's own 504, where it is due: not the protocol's)
+    protocol = HttpProtocol(app, ProtocolSettings(), loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    request = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi"
+    protocol.data_received(request)
+    await settle()
+    [(response, _)] = read_responses(transport.written, [request])
+    assert response.status_code == 200 and not transport.finished
+
+
 async def test_an_idle_connection_is_closed_quietly(timed):
     app, protocol, transport, loop = timed
     loop.advance(4.9)

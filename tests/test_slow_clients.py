@@ -193,6 +193,28 @@ def test_slow_clients_get_408_at_the_read_timeout_then_a_close(strict_server):
     assert strict_server.request("GET", "/health")[0] == 200
 
 
+def test_a_body_slower_than_its_deadline_is_answered_504_by_its_deadline(guarded_server):
+    """X-Request-Timeout: 1 and a body that dribbles in: its 504 came once its last byte
+    did (6.9 s for a byte every 50 ms; up to --body-timeout, 60 s here), not at 1 s."""
+    port = guarded_server.port
+
+    async def scenario() -> tuple[bytes, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        head = f"POST / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        writer.write(f"{head}X-Request-Timeout: 1\r\nContent-Length: 100\r\n\r\nab".encode())
+        try:
+            return await read_until_closed(reader, 20), time.monotonic() - started
+        finally:
+            writer.close()
+
+    data, seconds = asyncio.run(asyncio.wait_for(scenario(), 30))
+    [(status, headers, body)] = parse(data)
+    assert status == 504 and headers[b"connection"] == b"close", body
+    assert "deadline passed before its body was all received" in json.loads(body)["error"]
+    assert 0.9 <= seconds < 15  # (at its deadline; never the 60 s of --body-timeout)
+
+
 def test_an_idle_connection_with_nothing_sent_is_closed_without_an_answer(idle_closing_server):
     with idle_closing_server as server:
 

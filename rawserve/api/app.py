@@ -37,6 +37,7 @@ from rawserve.http.auth import require_bearer
 from rawserve.http.cors import CorsPolicy
 from rawserve.http.errors import (
     ErrorRenderer,
+    HTTPError,
     MethodNotAllowed,
     NotFound,
     error_response,
@@ -71,6 +72,7 @@ class App:
         context = RouteContext(models, settings, Gate())
         self.models = models
         self.settings = settings
+        self.context = context
         self.gate = context.gate
         self.inference = InferenceRoutes(context)
         self.openai = OpenAIRoutes(context)
@@ -269,6 +271,17 @@ class App:
         if response is not None and self.cors is not None:
             self.cors.add_headers(request, response)
         return response
+
+    def body_deadline(self, request: HttpRequest) -> float | None:
+        """When a POST must be answered (its X-Request-Timeout or --timeout, from its
+        head), on time.monotonic's clock: its body is not waited for past it. None for
+        one whose header is refused once its body is read."""
+        if request.method != "POST":
+            return None
+        try:
+            return self.context.deadline(request)
+        except HTTPError:
+            return None
 
     def answer_now_plain(self, request: HttpRequest) -> HttpResponse | None:
         """`answer_now` without the CORS headers."""

@@ -38,6 +38,8 @@ class Cycle:
         self.keep_alive = False  # HTTP/1.1 without Connection: close (from the head)
         self.codings: list[str] = []  # the body's content codings, undone once it is read
         self.retry = 0  # the client's retry this is, by its own count (`access_log`)
+        # its body's time is bounded by the request's deadline (not --body-timeout): 504
+        self.body_due = False
 
     @property
     def is_head(self) -> bool:

@@ -17,6 +17,7 @@ from rawserve.http.chunked import CHUNKS_AS_SENT, MIN_CHUNK_BYTES
 from rawserve.http.cycle import head_size, header, request_line_size
 from rawserve.http.errors import (
     BadRequest,
+    GatewayTimeout,
     HeadersTooLarge,
     HTTPError,
     PayloadTooLarge,
@@ -163,6 +164,13 @@ def too_many_connections() -> ServiceUnavailable:
 
 def stopped_before_the_body() -> ServiceUnavailable:
     return ServiceUnavailable("server shutting down: the request's body did not come in time")
+
+
+def deadline_passed_in_body() -> GatewayTimeout:
+    return GatewayTimeout(
+        "the request's deadline passed before its body was all received; X-Request-Timeout "
+        "asks for a longer deadline, in seconds"
+    )
 
 
 def too_slow(part: str) -> RequestTimeout:
