@@ -1514,6 +1514,29 @@ class TimedOutStream:
         self.closed = True
 
 
+@pytest.mark.parametrize("text", ["a\u2028b", "a\x85b", "a\u2029b", "–“x”\x0b\x1c"])
+def test_an_event_of_any_text_is_one_line_to_a_reader_that_splits_as_python_does(text):
+    """httpx's line reader (huggingface_hub's streams read with it) ends lines where
+    `str.splitlines` does: an event of generated text holding U+2028, raw in its JSON,
+    came to InferenceClient in two halves, neither JSON (a faults review)."""
+    from httpx2._decoders import LineDecoder
+
+    from rawserve.api.openai_responses import event
+    from rawserve.api.streaming import spaced_sse, sse
+
+    document = {"token": {"text": text}}
+    for payload, opening in [
+        (sse(document), "data:"),
+        (spaced_sse(document), "data: "),
+        (event("response.output_text.delta", 1, delta=text), "data: "),
+    ]:
+        lines = LineDecoder().decode(payload.decode()) + LineDecoder().flush()
+        data = [line for line in lines if line.startswith("data:")]
+        assert len(data) == 1 and lines[-1] == "", lines
+        said = json.loads(data[0].removeprefix(opening))
+        assert said.get("delta", said.get("token", {}).get("text")) == text
+
+
 def test_a_response_stream_that_fails_once_begun_ends_with_response_failed():
     from tests.test_reasoning import responded
 

@@ -64,8 +64,7 @@ from rawserve.api.openai_logprobs import Listed, answer_tokens, chat_logprobs
 from rawserve.api.openai_responses_input import read_input, refuse_unknown
 from rawserve.api.reasoning import CONTENT, REASONING, Thinking, split_answer
 from rawserve.api.routing import DocContext, Schema
-from rawserve.api.streaming import TokenStream, merged
-from rawserve.http.encoding import dumps
+from rawserve.api.streaming import TokenStream, event_json, merged
 from rawserve.http.errors import BadRequest
 
 # the fields of each `text.format` (a json_schema's schema beside its name, not inside
@@ -336,7 +335,7 @@ def sampled_with(settings: dict[str, Any], sampling: Any) -> dict[str, Any]:
 def event(kind: str, number: int, **fields: Any) -> bytes:
     """One of the stream's events, named as the SDK reads them."""
     document = {"type": kind, "sequence_number": number, **fields}
-    return b"event: " + kind.encode() + b"\ndata: " + dumps(document) + b"\n\n"
+    return b"event: " + kind.encode() + b"\ndata: " + event_json(document) + b"\n\n"
 
 
 class ResponseAnswer:

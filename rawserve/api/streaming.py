@@ -84,13 +84,32 @@ KEEP_ALIVE = b": keep-alive\n\n"
 
 def sse(document: Any) -> bytes:
     """A TGI event, as TGI writes it (`data:{...}`)."""
-    return b"data:" + dumps(document) + b"\n\n"
+    return b"data:" + event_json(document) + b"\n\n"
 
 
 def spaced_sse(document: Any) -> bytes:
     """An OpenAI event, as OpenAI and vLLM write it (`data: {...}`): valid either way,
     but parsers written by hand look for "data: "."""
-    return b"data: " + dumps(document) + b"\n\n"
+    return b"data: " + event_json(document) + b"\n\n"
+
+
+# What JSON may hold raw in a string that Python's `str.splitlines` ends a line at:
+# httpx's line reader (huggingface_hub's streams read with it) cut an event of generated
+# text holding U+2028 in two, and its client failed on the halves.
+_LINE_ENDS_RAW = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
+def event_json(document: Any) -> bytes:
+    """`document`'s JSON as one line of an event, whatever line reader reads it: SSE ends
+    lines at CR and LF only, which JSON escapes; U+0085, U+2028 and U+2029 escaped too."""
+    data = dumps(document)
+    for raw, escaped in _LINE_ENDS_RAW:
+        data = data.replace(raw, escaped)
+    return data
 
 
 class StreamEnd:
