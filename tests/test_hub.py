@@ -590,6 +590,21 @@ def test_an_audio_model_is_refused_as_one_not_for_its_missing_tokenizer(tmp_path
     )
 
 
+@pytest.mark.parametrize("task", ["text-classification", "feature-extraction"])
+def test_an_image_model_served_as_a_text_task_is_told_it_reads_images(tmp_path, task):
+    """An image classifier named with a text task was refused for tokenizer files it
+    never had ("every text would read as unknown tokens")."""
+    processor = {"image_processor_type": "ViTImageProcessor", "size": {"height": 32}}
+    files = {"preprocessor_config.json": json.dumps(processor)}
+    folder = text_model(tmp_path / "vit", "ViTForImageClassification", files)
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([f"{folder}:{task}"])
+    assert str(caught.value) == (
+        f"model {folder}:{task}: the model reads images (its preprocessor_config.json names "
+        "ViTImageProcessor), not text: serve it as image-classification"
+    )
+
+
 @pytest.mark.parametrize("task", [None, "text-generation"])
 def test_a_model_without_config_json_is_refused_for_that_whatever_names_its_task(tmp_path, task):
     """Named with its task, a folder without config.json was refused with transformers'

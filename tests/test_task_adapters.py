@@ -2471,7 +2471,8 @@ def test_a_known_model_type_whose_architecture_is_its_own_code_needs_its_task_na
         read_facts(folder, None, None)
     assert str(caught.value).startswith(
         "config.json's architecture 'BertWithMyHeadModel' is the model's own Python code "
-        "(auto_map), which rawserve does not run (no trust_remote_code): name the task"
+        "(auto_map), which rawserve does not run (no trust_remote_code): where transformers "
+        "knows its model_type 'bert', name the task"
     )
     assert read_facts(folder, "text-classification", None).task == "text-classification"
 

@@ -272,10 +272,16 @@ def no_tokenizer(model_dir: Path) -> str:
     text-classification, and its refusal spoke of unknown tokens)."""
     processor = json_file(model_dir / "preprocessor_config.json")
     extractor = processor.get("feature_extractor_type")
-    if isinstance(extractor, str) and not processor.get("image_processor_type"):
+    images = processor.get("image_processor_type")
+    if isinstance(extractor, str) and not images:
         return (
             f"the model reads sound (its preprocessor_config.json names {extractor[:100]}), "
             "and rawserve serves no audio task"
+        )
+    if isinstance(images, str):  # (an image classifier served as text-classification)
+        return (
+            f"the model reads images (its preprocessor_config.json names {images[:100]}), "
+            f"not text: serve it as {' or '.join(sorted(IMAGE_TASKS))}"
         )
     return (
         "the model has no tokenizer files (tokenizer.json, a vocabulary or a "
@@ -347,9 +353,10 @@ def infer_task(model_dir: Path) -> str:
         if architecture in own_code:  # (its task would be guessed from its name alone)
             raise ValueError(
                 f"config.json's architecture {architecture!r} is the model's own Python code "
-                "(auto_map), which rawserve does not run (no trust_remote_code): "
-                f"{NAME_THE_TASK} to serve it as transformers' own class for its model_type "
-                f"{config.get('model_type')!r}, without what that code adds"
+                "(auto_map), which rawserve does not run (no trust_remote_code): where "
+                f"transformers knows its model_type {config.get('model_type')!r}, "
+                f"{NAME_THE_TASK} to serve it as transformers' own class, without what that "
+                "code adds"
             )
         for ending, task in ARCHITECTURE_TASKS:
             if architecture.endswith(ending):
