@@ -1757,6 +1757,24 @@ def test_an_exif_block_that_cannot_be_read_leaves_the_picture_as_stored(runner, 
     assert decode_image(saved(turned.tobytes())).size == (30, 40)
 
 
+@pytest.mark.parametrize(("grey", "read"), [(0, 0), (200, 1), (32768, 128), (65535, 255)])
+def test_a_16_bit_grey_image_is_read_at_8_bits_not_clipped(grey, read):
+    """A 16-bit grey PNG was clipped at 255 on its way to RGB: mid grey read as white,
+    and 200 of 65535 (nearly black) as nearly white (the pipeline does so too)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from rawserve.worker.images import decode_image
+
+    written = io.BytesIO()
+    Image.fromarray(np.full((8, 8), grey, dtype=np.uint16)).save(written, "PNG")
+    assert Image.open(io.BytesIO(written.getvalue())).mode == "I;16"  # (what is tested)
+    image = decode_image(base64.b64encode(written.getvalue()).decode())
+    assert image.mode == "RGB" and image.getpixel((0, 0)) == (read, read, read)
+
+
 def test_a_jpeg_of_a_great_many_scans_is_refused_before_it_is_decoded():
     """Each scan of a progressive JPEG is a pass over the whole image: a 421 KB file of
     20,000 (its smallest scan repeated) took 6 s to decode at 4000x4000."""

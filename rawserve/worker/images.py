@@ -73,6 +73,7 @@ def decode_image(encoded: str, squashed: bool = True) -> Any:
             image.draft("RGB", (width // across, height // down))
         image.load()  # here, not lazily in the pipeline: a file cut short is the client's
         # (Pillow shrinks no palette, one-bit or 16-bit image)
+        image = eight_bit(image)
         return upright(shrunk(image if image.mode == "RGB" else image.convert("RGB"), squashed))
     except ImageRefused:
         raise
@@ -84,6 +85,19 @@ def decode_image(encoded: str, squashed: bool = True) -> Any:
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
         formats = ", ".join(IMAGE_FORMATS)
         raise ImageRefused(f"the input is not an image Pillow can read ({formats})") from exc
+
+
+# Pillow's modes of a 16-bit grey image (PNG's, TIFF's)
+SIXTEEN_BIT_GREY = ("I;16", "I;16B", "I;16L", "I;16N")
+
+
+def eight_bit(image: Any) -> Any:
+    """A 16-bit grey image at 8 bits, as a viewer shows it: Pillow's conversion to RGB
+    clips each value at 255 (a mid grey, 32768, was read as white; so the pipeline reads
+    it too). Other images as they are (16-bit colour is read at 8 bits by Pillow)."""
+    if image.mode not in SIXTEEN_BIT_GREY:
+        return image
+    return image.convert("I").point(lambda value: value * (1 / 257) + 0.5).convert("L")  # rounded
 
 
 def upright(image: Any) -> Any:
