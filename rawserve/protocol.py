@@ -163,9 +163,9 @@ class Application(Protocol):
         here, never kept). May raise HTTPError."""
         ...
 
-    def body_deadline(self, request: HttpRequest) -> float | None:
-        """When the request must be answered, on time.monotonic's clock (None: no deadline
-        of its own): its body is not waited for past it."""
+    def deadline_seconds(self, request: HttpRequest) -> float | None:
+        """Seconds the request may take from its head (None: no deadline of its own): its
+        body is not waited for past them."""
         ...
 
     def refusal_renderer(self, request: HttpRequest) -> ErrorRenderer | None:
@@ -613,17 +613,17 @@ class HttpProtocol(asyncio.Protocol):
             )
 
     def _bound_body_by_deadline(self, cycle: Cycle, head: HttpRequest) -> None:
-        """A body that comes slower than its request's deadline is not waited for past
-        it: 504 then, and the connection closed (RFC 9112 9.3 lets an answer go before the
-        body ends). Its 504 came once its last byte did, up to --body-timeout late."""
-        deadline = self.app.body_deadline(head)
+        """A body that comes slower than its request's deadline, where that is shorter
+        than --body-timeout (as long, the 408 of a slow body stands), is not waited for
+        past it: 504 then, and the connection closed (RFC 9112 9.3 lets an answer go
+        before the body ends). Its 504 came once its last byte did, up to --body-timeout
+        late."""
+        seconds = self.app.deadline_seconds(head)
         body_timeout = self.settings.deadlines.get(Phase.BODY)
-        if deadline is None:
+        if seconds is None or (body_timeout is not None and seconds >= body_timeout):
             return
-        left = deadline - time.monotonic()
-        if body_timeout is None or left < body_timeout:
-            cycle.body_due = True
-            self.timer.set(max(left, 0.0))
+        cycle.body_due = True
+        self.timer.set(max(head.received_at + seconds - time.monotonic(), 0.0))
 
     def _measure_chunks(self, data: bytes) -> bool:
         """Count a chunked body's bytes as sent (announced sizes, extensions, trailers,

@@ -23,7 +23,7 @@ class FakeApp:
     def answer_now(self, request: Any) -> Any:
         return None
 
-    def body_deadline(self, request: Any) -> Any:
+    def deadline_seconds(self, request: Any) -> Any:
         return None  # no deadline of its own: --body-timeout bounds the body
 
     def refusal_renderer(self, request: Any) -> Any:

@@ -595,10 +595,12 @@ def test_the_documents_request_schemas_refuse_what_the_server_refuses(task, path
     assert request_schema(task, path).is_valid(body) is bool(valid)
 
 
-def test_the_document_asked_while_the_model_loads_is_its_tasks():
+@pytest.mark.parametrize("task", ["feature-extraction", "image-classification"])
+def test_the_document_asked_while_the_model_loads_is_its_tasks(task):
     """While the model loads, /openapi.json already listed its task's routes but
     described POST / for no task ("what the handler answers"): a gateway that reads the
-    document as the pod starts got placeholders. The task it was started with is known."""
+    document as the pod starts got placeholders. The task it was started with is known,
+    and an image model's says it has no tokenizer (/tokenize was listed, then 404)."""
 
     class Loading(Loaded):
         def __init__(self, task):
@@ -606,17 +608,46 @@ def test_the_document_asked_while_the_model_loads_is_its_tasks():
             self.ready, self.loaded = False, None
 
     def document(workers):
-        facts = {"task": "feature-extraction", "batching": {}}
+        facts = {"task": task, "batching": {}}
         model = ServedModel("m", ModelService(Idle(), workers), facts)
         app = App(ServedModels([model]), AppSettings())
         return json.loads(asyncio.run(app.openapi(get("/openapi.json"))).body)
 
-    loading = document(Loading("feature-extraction"))
-    loaded = document(Loaded("feature-extraction", {}, None))
+    loading = document(Loading(task))
+    loaded = document(Loaded(task, {}, None if task == "image-classification" else "{}"))
+    assert set(loading["paths"]) == set(loaded["paths"])
     for path in ("/", "/models/m", "/invocations"):
         assert loading["paths"][path] == loaded["paths"][path], path
-    assert "feature-extraction" in json.dumps(loading["paths"]["/"]["post"])
-    post_answers(loading).validate([[0.5, 0.25]])
+    assert task in json.dumps(loading["paths"]["/"]["post"])
+    if task == "feature-extraction":
+        post_answers(loading).validate([[0.5, 0.25]])
+    else:
+        assert "/tokenize" not in loading["paths"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "seconds"),
+    [
+        ("POST", "/", [], 30.0),  # --timeout
+        ("POST", "/embed", [("x-request-timeout", "2.5")], 2.5),
+        ("POST", "/v1/embeddings", [("x-request-timeout", "900")], 300.0),  # --max-timeout
+        ("POST", "/invocations", [], 30.0),
+        ("POST", "/models/m", [], 30.0),
+        ("POST", "/embed", [("x-request-timeout", "abc")], None),  # refused once read
+        ("POST", "/tokenize", [("x-request-timeout", "0.001")], None),  # (no deadline)
+        ("GET", "/info", [], None),
+        ("POST", "/nowhere", [], None),
+    ],
+)
+def test_a_body_is_bounded_by_the_deadline_of_a_route_that_runs_the_model(
+    method, path, headers, seconds
+):
+    """The protocol stops waiting for a body at its request's deadline: a route that
+    runs no model (/tokenize) has none, and its slow body met a 504 saying to ask for a
+    longer X-Request-Timeout, which it ignores."""
+    app = app_for("feature-extraction")
+    request = HttpRequest(method, path, "", headers, b"", "test")
+    assert app.deadline_seconds(request) == seconds
 
 
 def test_a_models_name_is_percent_encoded_in_the_documents_paths():
@@ -1430,6 +1461,13 @@ def test_media_sent_to_a_route_that_reads_json_is_415(media_type):
             for bom in (0, 1)
         ),
         ([], "\ufeff a {".encode("utf-16-be"), [" a {"]),  # text: its mark says UTF-16
+        # JSON's whitespace before the object, however much (a first fix looked 64 bytes in)
+        ([], b"\n" * 70 + b'{"inputs": "a"}', ["a"]),
+        ([], (" " * 40 + '{"inputs": "a"}').encode("utf-16-le"), ["a"]),
+        # a UTF-32 text: its mark is no UTF-16 mark and two NULs (read so, a fix made it
+        # "\x00h\x00e..."), typed or not
+        ([("content-type", "text/plain; charset=utf-32")], "hello".encode("utf-32"), ["hello"]),
+        ([], "hello".encode("utf-32"), ["hello"]),
     ],
 )
 def test_a_body_is_read_as_json_when_so_typed_or_untyped_and_an_object(headers, body, inputs):

@@ -117,6 +117,11 @@ class App:
             {"OPTIONS"}.union(*(allowed_methods(methods) for methods in self.routes.values()))
         )
         # the routes whose body names the model: what each needs of it
+        # the routes that run the model, and so have a deadline (/invocations: most of its)
+        self.timed_paths = frozenset(
+            [sagemaker.INVOCATIONS]
+            + [route.path for route in self.table if route.method == "POST" and route.needs.worker]
+        )
         self.named_model_paths: dict[str, Needs] = {
             route.path: route.needs for route in self.table if route.queued
         }
@@ -272,14 +277,15 @@ class App:
             self.cors.add_headers(request, response)
         return response
 
-    def body_deadline(self, request: HttpRequest) -> float | None:
-        """When a POST must be answered (its X-Request-Timeout or --timeout, from its
-        head), on time.monotonic's clock: its body is not waited for past it. None for
-        one whose header is refused once its body is read."""
-        if request.method != "POST":
+    def deadline_seconds(self, request: HttpRequest) -> float | None:
+        """Seconds a request to a route that runs the model may take from its head (its
+        X-Request-Timeout or --timeout): its body is not waited for past them. None for
+        a route of no deadline (/tokenize, the probes) and for a header that is refused
+        once the body is read."""
+        if request.method != "POST" or request.path not in self.timed_paths:
             return None
         try:
-            return self.context.deadline(request)
+            return self.context.timeout_seconds(request)
         except HTTPError:
             return None
 

@@ -133,6 +133,7 @@ def holds_lone_surrogate(document: Any) -> bool:
 # or generated from with its parameters unread, answered 200 (a form is key=value pairs)
 CURL_FORM = "application/x-www-form-urlencoded"
 JSON_MEDIA_TYPES = ("application/json", "text/json")
+JSON_SPACE = b" \t\r\n"
 
 
 def is_json(request: HttpRequest) -> bool:
@@ -144,9 +145,13 @@ def is_json(request: HttpRequest) -> bool:
     content_type = (request.header("content-type") or "").split(";")[0].strip().lower()
     if content_type in JSON_MEDIA_TYPES or content_type.endswith("+json"):
         return True
-    head = request.body[:64]
-    start = head.decode(json.detect_encoding(head), "ignore").lstrip(BYTE_ORDER_MARK + " \t\r\n")
-    return content_type in ("", CURL_FORM) and start[:1] == "{"
+    if content_type not in ("", CURL_FORM):
+        return False
+    body = request.body
+    encoding = json.detect_encoding(body[:4])
+    if encoding.startswith("utf-8"):  # (JSON's whitespace before it, however much)
+        return body.removeprefix(UTF8_BYTE_ORDER_MARK).lstrip(JSON_SPACE)[:1] == b"{"
+    return body.decode(encoding, "ignore").lstrip(BYTE_ORDER_MARK + JSON_SPACE.decode())[:1] == "{"
 
 
 # the media types that are never text, whatever their bytes decode as
@@ -191,9 +196,11 @@ def read_text(request: HttpRequest) -> str:
 
 def marked_charset(body: bytes) -> str | None:
     """The charset `body`'s byte order mark says (UTF-8's or UTF-16's, as the WHATWG
-    decoders read them); None where it starts with none."""
+    decoders read them, and UTF-32's); None where it starts with none."""
     if body.startswith(UTF8_BYTE_ORDER_MARK):
         return "utf-8"
+    if body.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # (UTF-16's, then two NULs)
+        return "utf-32"
     if body.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return "utf-16"  # (its decoder reads the mark's byte order, and drops it)
     return None

@@ -27,8 +27,12 @@ class RouteContext:
         """When the request must be answered: its X-Request-Timeout or the default, from
         when its head arrived (not from when its body was read and checked: a list of long
         texts, each tokenized for its length, had its 504 up to 0.37 s late)."""
-        seconds = request_timeout(request, self.settings.timeout, self.settings.max_timeout)
-        return request.received_at + seconds
+        return request.received_at + self.timeout_seconds(request)
+
+    def timeout_seconds(self, request: HttpRequest) -> float:
+        """Seconds the request may take from its head: X-Request-Timeout (at most
+        --max-timeout) or --timeout."""
+        return request_timeout(request, self.settings.timeout, self.settings.max_timeout)
 
     def model_for(
         self, name: Any, needs: Needs = ANY_MODEL, queued_for: HttpRequest | None = None

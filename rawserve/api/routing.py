@@ -15,6 +15,7 @@ from typing import Any
 
 from rawserve.api.served import ServedModel
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.tasks import task_rules
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 Schema = dict[str, Any]
@@ -71,8 +72,10 @@ class Needs:
         pooling = model.facts.get("pooling")  # its folder's: known before it loads
         if self.sparse is not None and self.sparse != (pooling == "splade"):
             return f"{serves} with {pooling} pooling"
-        if loaded is None:
-            return None
+        if loaded is None:  # (an image model's task says it has no tokenizer)
+            rules = task_rules(task) if isinstance(task, str) else None
+            reads_no_text = rules is not None and rules.binary_input
+            return f"{serves} without a tokenizer" if self.tokenizer and reads_no_text else None
         if self.tokenizer and loaded.tokenizer is None:
             return f"{serves} without a tokenizer"
         if self.labels is not None:
