@@ -419,6 +419,18 @@ def test_a_cors_origin_no_browser_could_send_is_refused_at_start(monkeypatch, ca
     assert line.startswith("rawserve: error: --cors-allow-origin") and "not an origin" in line
 
 
+def test_null_is_refused_as_an_origin_since_any_page_can_send_it(monkeypatch, capsys):
+    """`--cors-allow-origin null` was taken: `Access-Control-Allow-Origin: null` then let
+    any site read the answers (a sandboxed frame of its own, a data: URL sends null),
+    where the operator meant file:// pages alone (a security review)."""
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--handler", "tests.handlers:echo", "--cors-allow-origin", "null"])
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "any page can send Origin: null" in line and "allow *" in line
+
+
 @pytest.mark.parametrize(
     ("given", "as_browsers_send_it"),
     [
@@ -431,7 +443,6 @@ def test_a_cors_origin_no_browser_could_send_is_refused_at_start(monkeypatch, ca
         ("http://127.1:3000", "http://127.0.0.1:3000"),
         ("https://bücher.example", "https://xn--bcher-kva.example"),
         # what file:// pages, extensions and app frameworks send: taken as they are
-        ("null", "null"),
         ("chrome-extension://abcdefgh", "chrome-extension://abcdefgh"),
         ("capacitor://localhost", "capacitor://localhost"),
         ("app://.", "app://."),

@@ -46,10 +46,17 @@ def browser_origin(text: str) -> str:
     compared as it is: for http and https in lower case, the host in ASCII (IDNA) and an
     address in its usual form, with no port where it is the scheme's own; another
     scheme's (an extension's, an app's: `chrome-extension://ID`, `capacitor://localhost`)
-    and `null` as given. ValueError for what no browser sends: it would match nothing,
-    every call from the page refused without a word why."""
-    if text in (ANY_ORIGIN, OPAQUE_ORIGIN):
+    as given. ValueError for what no browser sends: it would match nothing, every call
+    from the page refused without a word why; and for `null`, which any page can send (a
+    sandboxed frame of its own, a data: URL): allowed, it let every site read the answers
+    while the operator meant file:// pages alone."""
+    if text == ANY_ORIGIN:
         return text
+    if text == OPAQUE_ORIGIN:
+        raise ValueError(
+            "not null: any page can send Origin: null (a sandboxed frame, a data: URL), so "
+            "allowing it allows every site; allow * if every page may read the answers"
+        )
     if not _ORIGIN.fullmatch(text):
         raise ValueError("a scheme and a host, such as https://app.example (no path)")
     scheme, _, authority = text.partition("://")
