@@ -1409,6 +1409,32 @@ def test_a_grammar_that_fails_at_its_start_or_as_it_runs_fails_its_item_alone(ru
     assert not [key for key in runner.grammars.compiled if "1000000" in key]
 
 
+def test_a_grammar_whose_steps_hold_the_others_up_fails_its_item_alone(runner, monkeypatch):
+    """A 130-byte `a{150000}` costs tens of ms a step to mask, and every row of the step
+    waits for it: beside it, a plain chat ran 25-100 times its time (a security review).
+    Its rows end after SLOW_STEPS_ALLOWED slow steps; a JSON schema's, well under the
+    bound (set low here: any machine masks `a{150000}` slower than 2 ms), goes on."""
+    from rawserve.worker import grammars as grammars_module
+
+    monkeypatch.setattr(grammars_module, "MASK_SECONDS", 0.002)
+    params = {**GREEDY, "max_new_tokens": 8}
+    costly = {**params, "grammar": {"type": "regex", "value": "a{150000}"}}
+    schema = {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}
+    held = {**params, "grammar": {"type": "json", "value": schema}}
+    batches = [
+        Batch(1, ("the movie was",), params),
+        Batch(2, ("a",), costly),
+        Batch(3, ("a",), held),
+    ]
+    answered = results(serve(runner, {0: batches}))
+    assert answered[1].outputs[0] == static(runner, "the movie was", params)
+    ended = answered[2].outputs[0]
+    assert ended.kind is FailureKind.INPUT, ended
+    assert ended.message.startswith("the grammar failed: a step of the grammar took ")
+    assert "past the 2 ms allowed (every sequence beside it waits for it)" in ended.message
+    assert answered[3].outputs[0][0]["generated_text"].startswith('a{"k": "')  # (after its prompt)
+
+
 @pytest.mark.parametrize(
     ("schema", "said"),
     [

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +58,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("rawserve.generation")
 
 COMPILED_KEPT = 16  # a grammar grown near llguidance's bounds can hold ~100 MB
+# A row's mask a step past which the rows are timed alone: a row over it in this many
+# steps ends (its item fails). Every row of a step waits for the slowest mask, and
+# llguidance's bounds leave some grammars tens of ms a step (a 130-byte `a{150000}` held
+# every other sequence of its worker at 25-100 times its time for as long as it ran);
+# a JSON schema's mask takes well under a millisecond.
+MASK_SECONDS = 0.02
+SLOW_STEPS_ALLOWED = 3
 # llguidance's own bounds on a grammar's work, its errors without the parser's state (the
 # message goes to the client) and nothing printed: a fault is raised, not logged
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
@@ -376,6 +384,7 @@ class Held:
         self.matcher = matcher
         self.opening = opening
         self._forget = forget
+        self.slow_steps = 0  # steps its mask alone took over MASK_SECONDS
 
     def consume_token(self, token: int) -> bool:
         self.opening = None
@@ -458,18 +467,44 @@ def constrain(scores: torch.Tensor, rows: list[tuple[int, Held]]) -> list[tuple[
             bitmask[place] = numpy.frombuffer(held.opening, dtype=bitmask.dtype)
         else:
             targets.append((held.matcher, place))
+    slow: dict[int, str] = {}
     if targets:
+        started = time.perf_counter()
         llguidance.numpy.fill_next_token_bitmask_par(executor(), targets, bitmask)
+        if time.perf_counter() - started > MASK_SECONDS:
+            slow = too_slow([(rows[place][1], place) for _, place in targets])
     bits = numpy.unpackbits(bitmask.view(numpy.uint8), axis=1, bitorder="little")
     allowed = bits[:, :width].view(numpy.bool_)
     way_on = numpy.any(allowed, axis=1).tolist()  # (else nothing would be left)
     blocked = torch.from_numpy(~allowed).to(scores.device)
     for place, (index, _) in enumerate(rows):
-        if way_on[place]:
+        if place in slow:
+            stuck.append((index, slow[place]))
+        elif way_on[place]:
             scores[index].masked_fill_(blocked[place], float("-inf"))
         else:
             stuck.append((index, "the grammar allows no token this model can write next"))
     return stuck
+
+
+def too_slow(rows: list[tuple[Held, int]]) -> dict[int, str]:
+    """Of `rows` (each a grammar and its place), those whose mask, timed alone, took
+    over MASK_SECONDS for the SLOW_STEPS_ALLOWED-th time, with why they end, by place."""
+    ended = {}
+    for held, place in rows:
+        started = time.perf_counter()
+        held.matcher.compute_bitmask()  # (the same mask again: the matcher stays put)
+        seconds = time.perf_counter() - started
+        if seconds <= MASK_SECONDS:
+            continue
+        held.slow_steps += 1
+        if held.slow_steps >= SLOW_STEPS_ALLOWED:
+            ended[place] = GRAMMAR_FAILED + (
+                f"a step of the grammar took {seconds * 1000:.0f} ms to follow, past the "
+                f"{MASK_SECONDS * 1000:.0f} ms allowed (every sequence beside it waits for "
+                "it): a pattern repeated a great many times, say"
+            )
+    return ended
 
 
 _executor: llguidance.LLExecutor | None = None
