@@ -227,14 +227,15 @@ class ServerTokenizer:
     async def decode(self, id_lists: Sequence[Sequence[int]], skip_special: bool) -> list[str]:
         """Each list of ids as text; UnknownTokenId for an id outside the vocabulary."""
         for ids in id_lists:
-            for token_id in ids:
-                if token_id not in self.token_ids:
-                    why = (
-                        "no token has it"  # (an id the vocabulary skips)
-                        if token_id < self.vocab_size
-                        else f"ids run from 0 to {self.vocab_size - 1}"
-                    )
-                    raise UnknownTokenId(f"the id {token_id} is not in the vocabulary ({why})")
+            # (in C: a loop of Python over 400,000 ids held the event loop 170 ms)
+            if unknown := frozenset(ids) - self.token_ids:
+                token_id = next(i for i in ids if i in unknown)  # the first, as sent
+                why = (
+                    "no token has it"  # (an id the vocabulary skips)
+                    if token_id < self.vocab_size
+                    else f"ids run from 0 to {self.vocab_size - 1}"
+                )
+                raise UnknownTokenId(f"the id {token_id} is not in the vocabulary ({why})")
         lists = [list(ids) for ids in id_lists]
         if sum(len(ids) for ids in lists) <= INLINE_LIMIT:
             return list(self.tokenizer.decode_batch(lists, skip_special_tokens=skip_special))
