@@ -244,6 +244,18 @@ def test_nothing_is_tried_where_nothing_would_be_offered(tiny_model, bf16_cpu, k
     assert runner.bfloat16_trial == "" and bf16_cpu == []
 
 
+def test_nothing_is_offered_to_a_server_started_with_the_onnx_engine(tiny_model, bf16_cpu):
+    """Its advice, --dtype bfloat16, is refused beside --engine onnx (a loading review)."""
+    from rawserve.worker import loading
+
+    config = SimpleNamespace(
+        dtype="auto", engine=Engine.ONNX, model=tiny_model("text-classification")
+    )
+    runner = SimpleNamespace(dtype="float32")
+    assert loading.bfloat16_trial(config, "text-classification", "cpu", runner) == ""
+    assert bf16_cpu == []
+
+
 def test_a_cpu_without_bfloat16_units_tries_nothing(tiny_model, monkeypatch, tmp_path):
     from rawserve.worker import loading
     from tests.tiny_models import worker_config

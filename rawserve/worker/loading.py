@@ -243,6 +243,7 @@ def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner)
         units is None
         or device != "cpu"
         or config.dtype != "auto"  # a precision given is the one wanted
+        or config.engine is Engine.ONNX  # (which takes no --dtype bfloat16 to offer)
         or runner.dtype != "float32"
         or task not in onnx_engine.ONNX_TASKS
         or not torch_loads(Path(config.model))  # no weights to make a bfloat16 copy of
