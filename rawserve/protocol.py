@@ -286,6 +286,10 @@ class HttpProtocol(asyncio.Protocol):
             self.close()  # an idle keep-alive connection: close quietly
         elif self.phase is Phase.HEAD:
             self._fail(refusals.too_slow("head"))
+        elif self.phase is Phase.BODY and self.cycle is not None and self.cycle.early is not None:
+            # answered from its head already (503 loading, a 404): that answer, now, not a
+            # 408 for a body it would never read (the client waited --body-timeout for it)
+            self._send(self.cycle, self.cycle.early, close=True)
         elif self.phase is Phase.BODY:
             due = self.cycle is not None and self.cycle.body_due
             self._fail(refusals.deadline_passed_in_body() if due else refusals.too_slow("body"))
@@ -596,7 +600,7 @@ class HttpProtocol(asyncio.Protocol):
                 cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
             cycle.early = self._error(cycle, exc)
-        if cycle.early is None and has_content(fields):
+        if has_content(fields):
             self._bound_body_by_deadline(cycle, cycle.head)
         # with no body to come, nothing waits for a 100: the request is answered whole
         waits = self.conn.they_are_waiting_for_100_continue and has_content(fields)

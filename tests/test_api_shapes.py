@@ -170,7 +170,18 @@ def test_predict_inputs_are_a_text_a_pair_or_a_batch(value, items, is_batch):
 
 
 @pytest.mark.parametrize(
-    "value", [None, 5, [], ["a", "b", "c"], [["a", "b", "c"]], [[]], [["a"], "b"], ["\ud800"]]
+    "value",
+    [
+        None,
+        5,
+        [],
+        ["a", "b", "c"],
+        [["a", "b", "c"]],
+        [[]],
+        [["a"], "b"],
+        ["\ud800"],
+        [5] * 40,  # no inputs, however many: its shape's 400, not a count's 413
+    ],
 )
 def test_predict_inputs_refused(value):
     with pytest.raises(BadRequest):
@@ -185,6 +196,9 @@ def test_a_tei_batch_is_counted_before_any_of_its_items_is_read(read):
     items hold."""
     with pytest.raises(PayloadTooLarge, match="33 inputs in one request: at most 32"):
         read([["\ud800"], *[["a"]] * 32], 32)
+    with pytest.raises(BadRequest) as refused:  # (what is no input is not counted as one)
+        read([["a"], *[{"a": 1}] * 40], 32)
+    assert not isinstance(refused.value, PayloadTooLarge)
 
 
 def tei_embed(value, cap):
@@ -651,6 +665,7 @@ def test_the_document_asked_while_the_model_loads_is_its_tasks(task):
         ("POST", "/embed", [("x-request-timeout", "2.5")], 2.5),
         ("POST", "/v1/embeddings", [("x-request-timeout", "900")], 300.0),  # --max-timeout
         ("POST", "/invocations", [], 30.0),
+        ("POST", "/embeddings", [("x-request-timeout", "3")], 3.0),  # SageMaker's /v1/embeddings
         ("POST", "/models/m", [], 30.0),
         ("POST", "/embed", [("x-request-timeout", "abc")], None),  # refused once read
         ("POST", "/tokenize", [("x-request-timeout", "0.001")], None),  # (no deadline)

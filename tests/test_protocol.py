@@ -1209,6 +1209,34 @@ async def test_a_body_slower_than_its_deadline_is_answered_504_at_the_deadline(d
         assert dict(response.headers)[b"x-should-retry"] == b"false"
 
 
+class LoadingApp(DueApp):
+    """Answers every POST from its head: 503, as while the model loads."""
+
+    def answer_now(self, request):
+        if request.method != "POST":
+            return None
+        return HttpResponse(503, b'{"error": "loading"}', [("Retry-After", "1")])
+
+
+@pytest.mark.parametrize(("due", "at"), [(None, 20), (3, 3)])
+async def test_a_slow_body_of_a_request_answered_from_its_head_gets_that_answer(due, at):
+    """Refused from its head while the model loaded (503), a request whose body came
+    slowly waited for --body-timeout and got a 408, never the 503 (a review); it now
+    gets the 503 by its deadline, or at --body-timeout where it has none."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    protocol = HttpProtocol(LoadingApp(due), ProtocolSettings(body_timeout=20), loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc")
+    await settle()
+    loop.advance(at - 0.1)
+    assert not transport.written
+    loop.advance(0.2)
+    [(response, body)] = read_responses(transport.written)
+    assert response.status_code == 503 and json.loads(body) == {"error": "loading"}
+    assert transport.finished
+
+
 async def test_a_body_that_comes_whole_is_answered_whatever_its_deadline():
     loop = FakeTimerLoop(asyncio.get_running_loop())
     app = DueApp(0.001)  # (the app's own 504, where it is due: not the protocol's)

@@ -282,6 +282,7 @@ class App:
         X-Request-Timeout or --timeout): its body is not waited for past them. None for
         a route of no deadline (/tokenize, the probes) and for a header that is refused
         once the body is read."""
+        request = sagemaker.target(request, self.models, body_read=False)  # (/embeddings)
         if request.method != "POST" or request.path not in self.timed_paths:
             return None
         try:

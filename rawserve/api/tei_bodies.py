@@ -74,12 +74,15 @@ def read_embed_inputs(name: str, value: Any, context: DocContext | None) -> list
     if not isinstance(value, list) or all(isinstance(item, str) for item in value):
         return [*text_inputs(value, max_inputs(context))]
     inputs = [value] if is_token_ids(value) else value
-    check_client_batch(len(inputs), max_inputs(context))  # (before each item is looked at)
+    refusal = BadRequest(
+        f'"{name}" must be a text, a list of token ids, or a non-empty list of texts '
+        "and lists of token ids"
+    )
+    if not all(isinstance(item, (str, list)) for item in inputs):
+        raise refusal
+    check_client_batch(len(inputs), max_inputs(context))  # (before each list is read)
     if not all(isinstance(item, str) or is_token_ids(item) for item in inputs):
-        raise BadRequest(
-            f'"{name}" must be a text, a list of token ids, or a non-empty list of texts '
-            "and lists of token ids"
-        )
+        raise refusal
     if [] in inputs:
         where = item_name(f'"{name}"', inputs.index([]), len(inputs))
         raise UnprocessableInput(f"a token array of {where} has no ids", param=name)
@@ -119,11 +122,11 @@ def predict_inputs(value: Any, max_inputs: int) -> tuple[list[Any], bool]:
         if len(value) > 2:
             raise refusal
         return [sequence(value)], False
-    check_client_batch(len(value), max_inputs)
     if not all(isinstance(item, list) and 1 <= len(item) <= 2 for item in value):
         raise refusal
     if not all(isinstance(text, str) for item in value for text in item):
         raise refusal
+    check_client_batch(len(value), max_inputs)  # (its shape known: each text not read yet)
     return [
         sequence(item, item_name('"inputs"', index, len(value))) for index, item in enumerate(value)
     ], True
