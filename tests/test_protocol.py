@@ -1192,18 +1192,9 @@ async def test_a_body_slower_than_its_deadline_is_answered_504_at_the_deadline(d
     last byte came (up to --body-timeout, 30 s, late for a 1 s deadline); the deadline
     bounds the body's time now, and --body-timeout where it is as near (the defaults:
     both 30 s) or nearer."""
-    loop = FakeTimerLoop(asyncio.get_running_loop())
     app = DueApp(due)
-    protocol = HttpProtocol(app, ProtocolSettings(body_timeout=20), loop=loop)
-    transport = FakeTransport()
-    protocol.connection_made(transport)
-    protocol.data_received(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc")
-    await settle()
-    loop.advance(at - 0.1)
-    assert not transport.written
-    loop.advance(0.2)
-    [(response, body)] = read_responses(transport.written)
-    assert response.status_code == status and transport.finished and not app.seen
+    response, body = await answered_at(app, at)
+    assert response.status_code == status and not app.seen
     if status == 504:
         assert "deadline passed before its body was all received" in json.loads(body)["error"]
         assert dict(response.headers)[b"x-should-retry"] == b"false"
@@ -1223,8 +1214,15 @@ async def test_a_slow_body_of_a_request_answered_from_its_head_gets_that_answer(
     """Refused from its head while the model loaded (503), a request whose body came
     slowly waited for --body-timeout and got a 408, never the 503 (a review); it now
     gets the 503 by its deadline, or at --body-timeout where it has none."""
+    response, body = await answered_at(LoadingApp(due), at)
+    assert response.status_code == 503 and json.loads(body) == {"error": "loading"}
+
+
+async def answered_at(app, at):
+    """The one answer to a POST whose body never comes whole (`--body-timeout` 20 s),
+    which comes at `at` seconds and not before, and closes the connection."""
     loop = FakeTimerLoop(asyncio.get_running_loop())
-    protocol = HttpProtocol(LoadingApp(due), ProtocolSettings(body_timeout=20), loop=loop)
+    protocol = HttpProtocol(app, ProtocolSettings(body_timeout=20), loop=loop)
     transport = FakeTransport()
     protocol.connection_made(transport)
     protocol.data_received(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc")
@@ -1233,8 +1231,8 @@ async def test_a_slow_body_of_a_request_answered_from_its_head_gets_that_answer(
     assert not transport.written
     loop.advance(0.2)
     [(response, body)] = read_responses(transport.written)
-    assert response.status_code == 503 and json.loads(body) == {"error": "loading"}
     assert transport.finished
+    return response, body
 
 
 async def test_a_body_that_comes_whole_is_answered_whatever_its_deadline():
