@@ -196,9 +196,10 @@ def test_a_tei_batch_is_counted_before_any_of_its_items_is_read(read):
     items hold."""
     with pytest.raises(PayloadTooLarge, match="33 inputs in one request: at most 32"):
         read([["\ud800"], *[["a"]] * 32], 32)
-    with pytest.raises(BadRequest) as refused:  # (what is no input is not counted as one)
-        read([["a"], *[{"a": 1}] * 40], 32)
-    assert not isinstance(refused.value, PayloadTooLarge)
+    for no_input in ({"a": 1}, ["a", "b", "c"], [1.5], [[1]]):  # (not counted as inputs)
+        with pytest.raises(BadRequest) as refused:
+            read([["a"], *[no_input] * 40], 32)
+        assert not isinstance(refused.value, PayloadTooLarge), no_input
 
 
 def tei_embed(value, cap):
@@ -207,7 +208,12 @@ def tei_embed(value, cap):
     from rawserve.api.tei_bodies import read_embed_inputs
 
     context = SimpleNamespace(max_inputs=cap, model=None)
-    return read_embed_inputs("inputs", [[5, 6], *value[1:]], context)  # (ids, then no input)
+
+    def as_embedded(item):  # a [text] of /predict is /embed's text
+        one_text = isinstance(item, list) and len(item) == 1 and isinstance(item[0], str)
+        return item[0] if one_text else item
+
+    return read_embed_inputs("inputs", [[5, 6], *map(as_embedded, value[1:])], context)
 
 
 @pytest.mark.parametrize("value", [None, [], [1, 2], [["a"]], [None], "\udc00", ["ok", "\ud800"]])

@@ -78,9 +78,11 @@ def read_embed_inputs(name: str, value: Any, context: DocContext | None) -> list
         f'"{name}" must be a text, a list of token ids, or a non-empty list of texts '
         "and lists of token ids"
     )
-    if not all(isinstance(item, (str, list)) for item in inputs):
+    # (a list's first value tells ids from what is no input, before the count: each list
+    # read whole first, 200,000 of them held the event loop 99 ms for a 413)
+    if not all(isinstance(item, str) or looks_like_ids(item) for item in inputs):
         raise refusal
-    check_client_batch(len(inputs), max_inputs(context))  # (before each list is read)
+    check_client_batch(len(inputs), max_inputs(context))
     if not all(isinstance(item, str) or is_token_ids(item) for item in inputs):
         raise refusal
     if [] in inputs:
@@ -94,6 +96,11 @@ def read_embed_inputs(name: str, value: Any, context: DocContext | None) -> list
         else item
         for index, item in enumerate(inputs)
     ]
+
+
+def looks_like_ids(item: Any) -> bool:
+    """A list that is token ids as far as its first value tells."""
+    return isinstance(item, list) and (not item or type(item[0]) is int)
 
 
 def embed_inputs_schema(context: DocContext) -> Schema:

@@ -136,9 +136,6 @@ class Generation:
     ignore_eos: bool = False  # an end of sequence does not end it (it runs to its cap)
     adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties, TGI's
     grammar: Any = None  # what it may generate: a `Held` grammar (rawserve.worker.grammars)
-    # whose it is (its request's id), where its grammar's rows are counted with its
-    # request's other choices' (`grammars.fill_masks`); None: its key's
-    asker: Any = None
     # its grammar while it compiles (a `PendingMatcher`): it joins once the grammar is ready
     compiling: Any = None
     # the log-probability of each chosen token (after the penalties and biases, before
@@ -440,8 +437,6 @@ class ContinuousBatcher:
             try:
                 with panics_as_errors():  # (the compiling thread's library panic too)
                     generation.grammar = generation.compiling.held()
-                # its request's rows' masks are counted together (`grammars.fill_masks`)
-                generation.grammar.asker = generation.asker or generation.key
             except ValueError as exc:
                 generation.fail(str(exc))
             except Exception as exc:  # noqa: BLE001 - not the client's: it fails alone too

@@ -217,9 +217,6 @@ class GenerationLoop:
                     generation = self.runner.generation(
                         (batch.batch_id, index), item, params, batch.control
                     )
-                # (each choice of a request is an item of its own, of its request's id)
-                if (asker := batch.request_id(index)) not in ("", "-"):
-                    generation.asker = asker
                 if generation.max_new_tokens:
                     self.batcher.add(generation)
                     admitted = batch.admitted[index] if index < len(batch.admitted) else None

@@ -58,12 +58,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("rawserve.generation")
 
 COMPILED_KEPT = 16  # a grammar grown near llguidance's bounds can hold ~100 MB
-# A step's masks past which the rows are timed alone: the rows of one asker (a request's
-# `n` choices) over it together in this many steps end (their items fail). Every row of a
-# step waits for its masks, and llguidance's bounds leave some grammars tens of ms a step
-# (a 130-byte `a{150000}` held every other sequence of its worker at 25-100 times its
-# time for as long as it ran; `a{10000}` with `n` 16, 19 ms a row, alike); a JSON
-# schema's mask takes well under a millisecond.
+# A step's masks past which the rows are timed alone, as they are computed: a row over it
+# in this many steps ends (its item fails). Every row of a step waits for its masks, and
+# llguidance's bounds leave some grammars tens of ms a step (a 130-byte `a{150000}` held
+# every other sequence of its worker at 25-100 times its time for as long as it ran); a
+# JSON schema's mask takes well under a millisecond. (Rows each under it, many of them,
+# still add up: counted by request, a client's own X-Request-Id would have named whose.)
 MASK_SECONDS = 0.02
 SLOW_STEPS_ALLOWED = 3
 # llguidance's own bounds on a grammar's work, its errors without the parser's state (the
@@ -385,11 +385,8 @@ class Held:
         self.matcher = matcher
         self.opening = opening
         self._forget = forget
-        self.slow_steps = 0  # steps its asker's masks took over MASK_SECONDS
-        self.watched = False  # its asker's masks are computed and timed apart
-        # whose it is (the continuous loop's batch: a request's `n` rows are one asker);
-        # None: its own alone
-        self.asker: Any = None
+        self.slow_steps = 0  # steps its mask took over MASK_SECONDS
+        self.watched = False  # its mask is computed and timed apart
 
     def consume_token(self, token: int) -> bool:
         self.opening = None
@@ -489,35 +486,28 @@ def constrain(scores: torch.Tensor, rows: list[tuple[int, Held]]) -> list[tuple[
 
 def fill_masks(rows: list[tuple[Held, int]], bitmask: numpy.ndarray) -> dict[int, str]:
     """Each row's mask into its place of `bitmask`: together on llguidance's threads, but
-    the rows of an asker being watched (after a step whose masks together took over
-    MASK_SECONDS) by asker, each asker's timed; returns the rows whose asker took over it
-    for the SLOW_STEPS_ALLOWED-th time, with why they end, by place. (Timed again after
-    the step, each mask came from the library's caches at a fraction of its cost.)"""
-    watched: dict[Any, list[tuple[Held, int]]] = {}
-    together = []
-    for held, place in rows:
-        if held.watched:
-            watched.setdefault(asker_of(held), []).append((held, place))
-        else:
-            together.append((held, place))
+    a row being watched (after a step whose masks together took over MASK_SECONDS) alone,
+    timed as it is computed; returns the rows over it for the SLOW_STEPS_ALLOWED-th time,
+    with why they end, by place. (Timed again after the step, each mask came from the
+    library's caches at a fraction of its cost.)"""
+    watched = [(held, place) for held, place in rows if held.watched]
+    together = [(held, place) for held, place in rows if not held.watched]
     if together and fill_timed(together, bitmask) > MASK_SECONDS:
-        for held, _ in together:  # (whose it was is told from the next step)
+        for held, _ in together:  # (which it was is told from the next step)
             held.watched = True
     ended = {}
-    for asker_rows in watched.values():
-        seconds = fill_timed(asker_rows, bitmask)
-        for held, place in asker_rows:
-            if seconds <= MASK_SECONDS:
-                held.watched = False
-                continue
-            held.slow_steps += 1
-            if held.slow_steps >= SLOW_STEPS_ALLOWED:
-                ended[place] = GRAMMAR_FAILED + (
-                    f"a step of the grammar took {seconds * 1000:.0f} ms to follow (its "
-                    f"request's sequences together), past the {MASK_SECONDS * 1000:.0f} ms "
-                    "allowed (every sequence beside it waits for it): a pattern repeated a "
-                    "great many times, say"
-                )
+    for held, place in watched:
+        seconds = fill_timed([(held, place)], bitmask)
+        if seconds <= MASK_SECONDS:
+            held.watched = False
+            continue
+        held.slow_steps += 1
+        if held.slow_steps >= SLOW_STEPS_ALLOWED:
+            ended[place] = GRAMMAR_FAILED + (
+                f"a step of the grammar took {seconds * 1000:.0f} ms to follow, past the "
+                f"{MASK_SECONDS * 1000:.0f} ms allowed (every sequence beside it waits for "
+                "it): a pattern repeated a great many times, say"
+            )
     return ended
 
 
@@ -527,10 +517,6 @@ def fill_timed(rows: list[tuple[Held, int]], bitmask: numpy.ndarray) -> float:
     targets = [(held.matcher, place) for held, place in rows]
     llguidance.numpy.fill_next_token_bitmask_par(executor(), targets, bitmask)
     return time.perf_counter() - started
-
-
-def asker_of(held: Held) -> Any:
-    return id(held) if held.asker is None else held.asker
 
 
 _executor: llguidance.LLExecutor | None = None
