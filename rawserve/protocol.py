@@ -591,19 +591,20 @@ class HttpProtocol(asyncio.Protocol):
         cycle = self.cycle
         cycle.head = head_request(event, fields, cycle.request_id)
         cycle.keep_alive = keeps_alive(event, fields)
+        body_comes = has_content(fields)
         try:
             cycle.early = self.app.answer_now(cycle.head)
             # (a request with no body has nothing to decode, whatever its head says: a GET
             # of /info saying gzip was 400 "the body's gzip data ends early")
-            coding = header_list(fields, b"content-encoding") if has_content(fields) else None
+            coding = header_list(fields, b"content-encoding") if body_comes else None
             if cycle.early is None and coding:
                 cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
             cycle.early = self._error(cycle, exc)
-        if has_content(fields):
+        if body_comes:
             self._bound_body_by_deadline(cycle, cycle.head)
         # with no body to come, nothing waits for a 100: the request is answered whole
-        waits = self.conn.they_are_waiting_for_100_continue and has_content(fields)
+        waits = self.conn.they_are_waiting_for_100_continue and body_comes
         if cycle.early is not None and waits:
             # no 100: the client does not send the body, so the connection ends after
             self._enter(Phase.RESPONDING)

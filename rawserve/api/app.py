@@ -116,12 +116,12 @@ class App:
         self.server_methods = sorted(
             {"OPTIONS"}.union(*(allowed_methods(methods) for methods in self.routes.values()))
         )
-        # the routes whose body names the model: what each needs of it
         # the routes that run the model, and so have a deadline (/invocations: most of its)
         self.timed_paths = frozenset(
             [sagemaker.INVOCATIONS]
             + [route.path for route in self.table if route.method == "POST" and route.needs.worker]
         )
+        # the routes whose body names the model: what each needs of it
         self.named_model_paths: dict[str, Needs] = {
             route.path: route.needs for route in self.table if route.queued
         }

@@ -73,9 +73,8 @@ class Needs:
         if self.sparse is not None and self.sparse != (pooling == "splade"):
             return f"{serves} with {pooling} pooling"
         if loaded is None:  # (an image model's task says it has no tokenizer)
-            rules = task_rules(task) if isinstance(task, str) else None
-            reads_no_text = rules is not None and rules.binary_input
-            return f"{serves} without a tokenizer" if self.tokenizer and reads_no_text else None
+            rules = task_rules(task) if self.tokenizer and isinstance(task, str) else None
+            return f"{serves} without a tokenizer" if rules and rules.binary_input else None
         if self.tokenizer and loaded.tokenizer is None:
             return f"{serves} without a tokenizer"
         if self.labels is not None:
