@@ -353,7 +353,7 @@ async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():
     assert "'adapter_id' is not supported" in json.loads(response.body)["error"]
 
 
-@pytest.mark.parametrize("stream", ["zzz", "yes", {}, float("nan"), 2**70], ids=repr)
+@pytest.mark.parametrize("stream", ["zzz", "yes", {}, 1.5, 2**70], ids=repr)
 @pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/", "/invocations"])
 async def test_a_stream_that_is_not_a_boolean_is_refused_on_every_generate_route(path, stream):
     """/generate and /generate_stream dropped "stream" unread, though /openapi.json

@@ -2469,6 +2469,16 @@ def test_a_json_body_nested_past_the_limit_or_with_a_lone_surrogate_is_refused()
     assert len(read_json(json_request(flood))["x"]) == 340_000
 
 
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinity_are_no_json_and_refused(constant):
+    # Python's json reads them; orjson wrote them back as null: a schema's {"const": NaN}
+    # was answered "null"
+    with pytest.raises(MalformedRequest, match="not valid JSON: .*not JSON numbers"):
+        read_json(json_request(b'{"response_format": {"const": ' + constant + b"}}"))
+    # as a string, or a number of the same letters' neighbours, it is JSON
+    assert read_json(json_request(b'["' + constant + b'", 1e308]')) == [constant.decode(), 1e308]
+
+
 @pytest.mark.parametrize("order", [("k3y", "wrong"), ("wrong", "k3y"), ("k3y", "k3y")])
 def test_two_authorization_headers_are_a_bad_request_whatever_their_order(order):
     headers = [("authorization", f"Bearer {token}") for token in order]

@@ -766,6 +766,15 @@ def test_a_json_grammar_is_taken_by_either_of_tgis_names(grammar, read):
     assert parsed.params == {"grammar": {"type": "json", "value": read}}
 
 
+def test_a_json_grammar_written_as_a_text_holds_no_nan():
+    """TGI's grammar value may be a text of JSON: read as JSON, NaN and Infinity are not
+    (a schema's {"const": NaN} was answered "null")."""
+    for text in ('{"const": NaN}', '{"enum": [Infinity, 1]}'):
+        grammar = {"type": "json_object", "value": text}
+        with pytest.raises(BadRequest, match="takes a JSON schema"):
+            parse_json_body("text-generation", {"inputs": "x", "parameters": {"grammar": grammar}})
+
+
 @pytest.mark.parametrize(
     ("task", "device", "dtype", "installed", "reason"),
     [

@@ -29,6 +29,8 @@ from rawserve.http.errors import (
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.header_numbers import header_decimal
 from rawserve.serving.face import ItemResult
+from rawserve.shared import json_text
+from rawserve.shared.json_text import NOT_JSON_NUMBERS
 
 # Python's own encodings (its docs' "Python Specific Encodings"), which are no charset a
 # client names; decoding a megabyte as punycode (or idna, which calls it) takes a minute.
@@ -56,7 +58,7 @@ def read_json(request: HttpRequest) -> Any:
     refuse_form_upload(request, "the JSON body (curl -d or --json)")
     body = request.body
     try:
-        document = json.loads(body)
+        document = json_text.loads(body)
     except RecursionError:  # the parser's own limit, well past ours
         raise MalformedRequest(TOO_DEEP) from None
     except UnicodeDecodeError:  # (the JSON of a charset=latin-1 or gbk body, say)
@@ -65,7 +67,9 @@ def read_json(request: HttpRequest) -> Any:
     except json.JSONDecodeError:
         refuse_media_not_json(request)
         raise MalformedRequest("the body is not valid JSON") from None
-    except ValueError:  # a number of more digits than Python converts (4,300)
+    except ValueError as exc:  # NaN or Infinity, or more digits than Python converts (4,300)
+        if NOT_JSON_NUMBERS in str(exc):
+            raise MalformedRequest(f"the body is not valid JSON: {exc}") from None
         raise MalformedRequest("the body holds a number too long to read") from None
     # Each check runs only where the bytes allow its problem: fewer brackets than the
     # limit cannot nest past it, and a surrogate is written as an escape or as its own

@@ -9,12 +9,12 @@ chat body is `openai_generation`'s. Server process; plain Python.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from rawserve.api.fields import unicode_text
 from rawserve.api.routing import DocContext, Schema
 from rawserve.http.errors import BadRequest
+from rawserve.shared import json_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # what an answer's message carries beside its content, sent back with it as OpenAI's SDK
@@ -160,7 +160,7 @@ def template_call(call: Any) -> dict[str, Any]:
             '"arguments": a text of JSON}}'
         )
     try:  # none written (a call of a function without parameters) are none, as vLLM reads them
-        arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
+        arguments = json_text.loads(function["arguments"]) if function["arguments"].strip() else {}
     except (ValueError, RecursionError):  # (a text nested past the parser's limit)
         arguments = function["arguments"]
     entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}

@@ -11,10 +11,10 @@ per new token, and so that it never shares a batch.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rawserve.shared import json_text
 from rawserve.shared.token_columns import listed, token_count
 from rawserve.tasks.checks import (
     IGNORED,
@@ -307,7 +307,7 @@ def grammar(value: Any) -> dict[str, Any]:
     if kind in ("json", "json_object"):  # (TGI's alias, which InferenceClient sends)
         if isinstance(given, str):
             try:
-                given = json.loads(given)
+                given = json_text.loads(given)
             except (ValueError, RecursionError):  # (a text nested past the parser's limit)
                 given = None
         if not isinstance(given, dict):
