@@ -99,6 +99,43 @@ def test_annotations_beside_a_recursive_union_are_left_be(annotation):
     assert not holds(grammar, '{"type": "text", "text": "a"}')
 
 
+def test_llguidances_own_options_in_a_schema_are_an_annotation():
+    """A root "x-guidance" is an `x-` key as any other: its separators wrote answers that
+    are no JSON (`{"a" = 1}`, finish_reason "stop"), its "lenient" left a "not" unheld."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    laid_out = {**schema, "x-guidance": {"key_separator": " = ", "whitespace_flexible": True}}
+    assert holds({"type": "json", "value": laid_out}, '{"a": 1}')
+    assert not holds({"type": "json", "value": laid_out}, '{"a" = 1}')
+    assert not holds({"type": "json", "value": laid_out}, '{"a":\n\n 1}')
+    lenient = {"type": "string", "not": {"const": "z"}, "x-guidance": {"lenient": True}}
+    assert "not" in refusal({"type": "json", "value": lenient})
+
+
+@pytest.mark.parametrize(
+    ("pattern", "taken", "refused"),
+    [
+        (r"\d{4}", "2026", "\u0661\u0662\u0663\u0664"),  # not Arabic-Indic digits
+        (r"\w+", "ab_9", "\u00e9t\u00e9"),
+        (r"\s", "\t", "\u3000"),
+        (r"[\d_]+", "1_2", "\u0661"),  # within a class too
+        (r"[^\d]+", "\u0661\u00e9", "5"),
+        (r"\D\W\S", "\u0661\u00e9\u00e9", "1a "),
+        (r"\\d", "\\d", "5"),  # an escaped backslash and a d
+        (r"\p{Nd}", "\u0661", "a"),  # Unicode's, asked by name
+    ],
+)
+def test_a_regexs_classes_are_ascii_as_tgi_and_vllm_read_them(pattern, taken, refused):
+    """\\d, \\w and \\s read as outlines (TGI's), xgrammar (vLLM's) and a JSON schema's
+    `pattern` read them: \\d{4} wrote Arabic-Indic digits, which JavaScript reads as none."""
+    assert holds({"type": "regex", "value": pattern}, taken)
+    assert not holds({"type": "regex", "value": pattern}, refused)
+
+
+def test_a_bad_regex_is_told_as_the_client_wrote_it():
+    said = refusal({"type": "regex", "value": r"\d("})
+    assert "\\d(" in said and "[0-9]" not in said and "unclosed group" in said
+
+
 def test_a_property_named_as_an_annotation_is_a_property():
     """Only a schema's own keys are annotations: a property named "discriminator" (or
     "nullable") is held to its schema, and data under `const` is as written."""

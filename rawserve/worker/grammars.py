@@ -69,7 +69,7 @@ SLOW_STEPS_ALLOWED = 3
 # llguidance's own bounds on a grammar's work, its errors without the parser's state (the
 # message goes to the client) and nothing printed: a fault is raised, not logged
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-# how JSON is laid out, unless the schema's own "x-guidance" says otherwise
+# how JSON is laid out (a schema's own "x-guidance" is an annotation: a client's JSON is JSON)
 JSON_LAYOUT: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
@@ -135,9 +135,30 @@ def grammar_text(grammar: Mapping[str, Any]) -> str:
         pattern = grammar["value"]
         if (len(pattern) - len(pattern.rstrip("\\"))) % 2:  # (llguidance drops it)
             raise ValueError("regex parse error: the pattern ends in a lone backslash")
-        return str(llguidance.LLMatcher.grammar_from_regex(pattern))
+        return str(llguidance.LLMatcher.grammar_from_regex(ascii_classes(pattern)))
     schema = compilable(grammar["value"])
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+
+
+# \d, \w and \s as TGI's outlines, vLLM's xgrammar and a JSON schema's pattern read them:
+# ASCII (llguidance's regex reads Unicode's: \d{4} wrote Arabic-Indic digits, which int()
+# reads and JavaScript does not). Each is a class, valid inside another class too (a
+# nested class, as llguidance's regex syntax takes it).
+ASCII_CLASSES = {
+    "d": "[0-9]",
+    "D": "[^0-9]",
+    "w": "[0-9A-Za-z_]",
+    "W": "[^0-9A-Za-z_]",
+    "s": "[\\t\\n\\x0B\\f\\r ]",
+    "S": "[^\\t\\n\\x0B\\f\\r ]",
+}
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+
+
+def ascii_classes(pattern: str) -> str:
+    """`pattern` with its \\d, \\w and \\s (and their complements) read as ASCII; any
+    other escape (`\\\\d`, an escaped backslash and a d) as written."""
+    return _ESCAPE.sub(lambda escape: ASCII_CLASSES.get(escape[1], escape[0]), pattern)
 
 
 def thinking_first(text: str, opened: str, tag_tokens: Mapping[str, int]) -> str:
@@ -308,8 +329,17 @@ class Grammars:
         if annotated is not None:
             pristine, opening = self._matcher(self._held(annotated, grammar))
         if pristine.is_error():
-            raise ValueError(GRAMMAR_REFUSED + fault(pristine))
+            raise ValueError(GRAMMAR_REFUSED + fault(self._as_written(grammar, pristine)))
         return Compiled(pristine, opening)
+
+    def _as_written(self, grammar: Mapping[str, Any], failed: llguidance.LLMatcher) -> Any:
+        """The matcher whose fault a client is told: a regex's as the client wrote it
+        (`\\d(`, not the `[0-9](` its ASCII classes made of it)."""
+        if grammar["type"] != "regex":
+            return failed
+        written = llguidance.LLMatcher.grammar_from_regex(grammar["value"])
+        matcher, _ = self._matcher(str(written))
+        return matcher if matcher.is_error() else failed
 
     def _held(self, text: str, grammar: Mapping[str, Any]) -> str:
         """The grammar `text`, after the thinking where `grammar` says it may come first

@@ -43,7 +43,6 @@ COUNTS = frozenset(
     {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"}
     | {"minContains", "maxContains"}
 )
-OPTIONS = "x-guidance"  # llguidance's own, at the root: how the JSON is laid out
 # the keywords whose values are schemas, for the walk that drops annotations (all of them:
 # what is under "not" too)
 EVERY_ONE = frozenset(
@@ -96,10 +95,9 @@ def compilable(schema: Any) -> Any:
     for constraints (`KEYWORDS`), read one way by llguidance and the judgement (`Reading`),
     its objects closed (`closed_objects`)."""
     reading = Reading(pointed(schema), siblings_ignored(schema))
-    bare = without_annotations(schema, reading)
-    if isinstance(schema, dict) and OPTIONS in schema:
-        bare[OPTIONS] = schema[OPTIONS]
-    return closed_objects(bare)
+    # (llguidance's own "x-guidance" at the root is an annotation too: its separators
+    # made an answer that is no JSON, its "lenient" a "not" unheld)
+    return closed_objects(without_annotations(schema, reading))
 
 
 def siblings_ignored(schema: Any) -> bool:
@@ -222,8 +220,8 @@ def subschemas(schema: dict[str, Any]) -> list[Any]:
 
 def kept_for_pointers(key: str) -> bool:
     """Whether a key of a schema as compiled is one kept as a JSON pointer passes
-    through it: after `without_annotations`, any but a keyword and llguidance's options."""
-    return key not in KEYWORDS and key != OPTIONS
+    through it: after `without_annotations`, any but a keyword."""
+    return key not in KEYWORDS
 
 
 def closed(schema: Any) -> Any:
