@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import re
 import socket
 from typing import Any
@@ -2253,6 +2254,9 @@ def test_any_value_of_a_field_is_answered_well_or_refused_naming_that_field(
             "POST", route, json.dumps(document).encode(), {"Content-Type": "application/json"}
         )
         body = json.loads(raw, parse_constant=no_constant)
+        if isinstance(value, float) and not math.isfinite(value):  # no JSON: the body's fault
+            assert status == 400 and "not JSON numbers" in body["error"]["message"], body
+            continue
         if status == 200:
             choices = body["choices"]
             asked = value if name == "n" else 1
