@@ -86,3 +86,18 @@ def test_an_answer_over_the_bound_is_413(tokenizer_json):
     assert status == 413 and "1,000 bytes" in str(body), body
     status, body = post(small, "/detokenize", {"tokens": [50] * 400})
     assert status == 413, body
+
+
+@pytest.mark.parametrize("text", ["\u200b", "\ufeff", "\u0000"])
+def test_teis_body_lists_an_invisible_prompt_as_the_model_reads_it(tokenizer_json, library, text):
+    """A zero-width space is a prompt a generation model takes (as vLLM's body listed it):
+    TEI's body refused it 422 "empty to a model", where an encoder's task does refuse it."""
+    generating = app_for("text-generation", tokenizer_json, {})
+    status, body = post(generating, "/tokenize", {"inputs": text})
+    assert status == 200, body
+    assert [token["id"] for token in body[0]] == library.encode(text).ids
+    status, body = post(generating, "/tokenize", {"inputs": ["hello", "   "]})
+    assert status == 422 and "at index 1 is empty or only whitespace" in str(body), body
+    encoding = app_for("feature-extraction", tokenizer_json, {})
+    status, body = post(encoding, "/tokenize", {"inputs": text})
+    assert status == 422 and "empty to a model" in str(body), body

@@ -8,7 +8,7 @@ servers read). Blank text is 422, as on every route. Server process; plain Pytho
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rawserve.api.bodies import check_client_batch
@@ -28,7 +28,8 @@ from rawserve.api.openai_generation import is_token_ids, refuse_unknown_ids
 from rawserve.api.prompt_cuts import cut_fields
 from rawserve.api.routing import DocContext, Schema
 from rawserve.http.errors import BadRequest, EmptyInput, UnprocessableInput
-from rawserve.tasks.checks import BlankInput, visible
+from rawserve.tasks.checks import BlankInput, not_blank, prompt, visible
+from rawserve.tasks.registry import TASKS
 
 DIRECTIONS = ("left", "right", "Left", "Right")  # TEI takes both spellings
 MAX_TOKEN_ID = 2**32 - 1
@@ -52,8 +53,22 @@ def read_texts(name: str, value: Any, context: DocContext | None) -> list[str]:
     return text_inputs(value, max_inputs(context))
 
 
-def text_inputs(value: Any, max_inputs: int) -> list[str]:
-    """`inputs` as a list of texts: one text, or a non-empty list of them."""
+def read_texts_to_tokenize(name: str, value: Any, context: DocContext | None) -> list[str]:
+    """/tokenize's `inputs`, each checked as the model's task checks its input: a zero-width
+    space is a prompt a generation model reads as tokens (as vLLM's body lists it here),
+    where an encoder reads nothing of it."""
+    texts = text_inputs(value, max_inputs(context), checked=False)
+    task = TASKS.get(context.model.known_task or "") if context else None
+    check = not_blank if task is not None and task.check_input is prompt else visible
+    return [
+        checked_text(text, item_name('"inputs"', index, len(texts)), "inputs", check)
+        for index, text in enumerate(texts)
+    ]
+
+
+def text_inputs(value: Any, max_inputs: int, checked: bool = True) -> list[str]:
+    """`inputs` as a list of texts: one text, or a non-empty list of them; each `checked`
+    as a model may take it (`checked_text`)."""
     texts = [value] if isinstance(value, str) else value
     if texts == []:
         raise EmptyInput('"inputs" must be a text or a non-empty list of texts')
@@ -64,7 +79,7 @@ def text_inputs(value: Any, max_inputs: int) -> list[str]:
             raise BadRequest('"inputs" as token ids is not supported: send the text')
         raise BadRequest('"inputs" must be a text or a non-empty list of texts')
     check_client_batch(len(texts), max_inputs)
-    return checked_texts(texts, '"inputs"')
+    return checked_texts(texts, '"inputs"') if checked else texts
 
 
 def read_embed_inputs(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:
@@ -165,12 +180,18 @@ def id_inputs(value: Any, max_lists: int) -> list[list[int]]:
     return lists
 
 
-def checked_text(value: str, name: str, param: str | None = None) -> str:
-    """A text as a model may take it: valid Unicode (else 400), not blank (else 422);
-    `name` says where it is in the body, `param` its field (`name` unquoted if None)."""
+def checked_text(
+    value: str,
+    name: str,
+    param: str | None = None,
+    check: Callable[[str, str], str] = visible,
+) -> str:
+    """A text as a model may take it: valid Unicode (else 400), not blank (else 422), nor
+    (an encoder's) of invisible characters alone; `name` says where it is in the body,
+    `param` its field (`name` unquoted if None)."""
     unicode_text(value, name)
     try:
-        return visible(value, f"a text of {name}")
+        return check(value, f"a text of {name}")
     except BlankInput as exc:
         raise UnprocessableInput(str(exc), param=param or name.strip('"')) from None
 
@@ -411,7 +432,7 @@ SIMILARITY = similarity_body(ignore_unknown=True)
 INFERENCE_SIMILARITY = similarity_body(ignore_unknown=False)
 TOKENIZE = Body(
     {
-        "inputs": INPUTS,
+        "inputs": Field(texts_schema, read_texts_to_tokenize, reads_null=True, required=True),
         "add_special_tokens": flag(True),
         "prompt_name": PROMPT_NAME,
         # (TEI's lists a text whole: a client counts a document's tokens to know where to
