@@ -825,14 +825,16 @@ def test_an_item_near_its_deadline_leads_whatever_its_turn():
 
 def test_a_list_longer_than_the_queue_can_never_be_admitted():
     core = SchedulerCore(max_queue=4)
-    with pytest.raises(NeverAdmissible, match=r"queues at most 4 \(--max-queue\)"):
+    with pytest.raises(NeverAdmissible, match=r"takes at most 4 \(--max-queue 4\)"):
         queue_items(core, list("abcde"))  # (the option named: a deployer's to change)
     queue_items(core, list("abcd"))  # the bound itself fits
     with pytest.raises(QueueFull):
         queue_items(core, ["e"])
     # a continuous worker's rows may take as many more: only past them is it never
     rows = SchedulerCore(max_queue=2, max_batch_size=1, workers=8)
-    with pytest.raises(NeverAdmissible):
+    # (the number told is the one that holds: --max-queue alone named 2)
+    said = r"takes at most 10 \(--max-queue 2 and the 8 rows its workers run\)"
+    with pytest.raises(NeverAdmissible, match=said):
         queue_items(rows, [text(1)] * 11, params={"max_new_tokens": 4})
     with pytest.raises(QueueFull):  # (no row free now: a retry may find them)
         queue_items(rows, [text(1)] * 3, params={"max_new_tokens": 4})

@@ -189,12 +189,17 @@ class OwnTimeUnreachable(DeadlineUnreachable):
 class NeverAdmissible(Exception):
     """Refused at admission for good: more items than the queue can ever hold."""
 
-    def __init__(self, items: int, max_queue: int):
+    def __init__(self, items: int, most: int, max_queue: int):
+        # (past the queue, the rows of workers that take one item at a time: the number
+        # said is the one that holds, the option the one a deployer sets)
+        rows = most - max_queue
+        running = f" and the {rows} rows its workers run" if rows else ""
         super().__init__(
-            f"{items} inputs in one request; this server queues at most {max_queue} (--max-queue)"
+            f"{items} inputs in one request; this server takes at most {most} "
+            f"(--max-queue {max_queue}{running})"
         )
         self.items = items
-        self.max_queue = max_queue
+        self.most = most
 
 
 @dataclass
@@ -465,7 +470,7 @@ class SchedulerCore:
         """
         most = self.most_admitted  # (a request no bound could take)
         if len(items) > most:
-            raise NeverAdmissible(len(items), most)
+            raise NeverAdmissible(len(items), most, self.max_queue)
         if self._size + len(items) > self.bound:
             raise QueueFull(self.retry_after(now))
         # the turn after the one being served: an input a batch left behind (unlike its
