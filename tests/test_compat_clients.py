@@ -436,8 +436,10 @@ def test_tgi_client_generates(servers, tgi_client_answers):
     assert "raised" not in marked, marked
     parameters = {**CLIENT_DEFAULTS, "max_new_tokens": 12, "do_sample": True, "seed": 3}
     for watermark in (True, False):
+        # (where the client posts: `POST /` samples at the pipeline's defaults, 0.7 and
+        # the 50 likeliest, /generate at TGI's)
         document = {"inputs": PROMPT, "parameters": {**parameters, "watermark": watermark}}
-        status, direct = servers["chat"].post_json(document, "/generate")
+        status, [direct] = servers["chat"].post_json(document, "/")
         assert status == 200, direct
         same = marked["generated_text"] == direct["generated_text"]
         assert same == watermark  # (the client's watermark was sent, and applied)

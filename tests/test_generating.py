@@ -2094,6 +2094,28 @@ def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
     assert any(token["id"] not in {t["id"] for t in top} for token, top in tokens)
 
 
+def test_the_openai_and_tgi_routes_draw_from_every_token(runner, monkeypatch):
+    # TGI and vLLM sample from the whole vocabulary unless asked (or the model's config
+    # says) otherwise; these routes drew from `generate`'s 50 likeliest
+    params = {"max_new_tokens": 30, "do_sample": True, "seed": 3, "details": True}
+    listed = {**params, "top_n_tokens": 50, API_SAMPLING: True}
+
+    def drawn_outside_the_50(output: Any) -> bool:
+        details = output[0]["details"]
+        pairs = zip(details["tokens"], details["top_tokens"], strict=True)
+        return any(token["id"] not in {t["id"] for t in top} for token, top in pairs)
+
+    loop = results(serve(runner, {0: [Batch(1, ("the movie was",), listed)]}))[1].outputs[0]
+    assert drawn_outside_the_50(loop)
+    assert drawn_outside_the_50(static(runner, "the movie was", listed))
+    # a top_k the model's generation config names is still its own
+    monkeypatch.setattr(runner.model.generation_config, "top_k", 50)
+    monkeypatch.setattr(runner, "api_defaults", {})
+    loop = results(serve(runner, {0: [Batch(1, ("the movie was",), listed)]}))[1].outputs[0]
+    assert not drawn_outside_the_50(loop)
+    assert not drawn_outside_the_50(static(runner, "the movie was", listed))
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "min_p", "typical_p"),
     [
@@ -2308,6 +2330,8 @@ def test_post_root_samples_at_the_pipelines_temperature_and_the_api_routes_at_th
         for params, temperature in ((asked, 0.7), ({**asked, API_SAMPLING: True}, 1.0)):
             [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
             explicit = {**asked, "do_sample": True, "temperature": temperature}
+            if API_SAMPLING in params:  # (and from every token, as OpenAI's and TGI's)
+                explicit["top_k"] = 0
             assert got == static(runner, "the movie was", explicit)
             answers.append(got)
         differ.append(answers[0] != answers[1])

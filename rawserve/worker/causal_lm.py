@@ -110,6 +110,9 @@ PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "
 # says (transformers' global defaults that change a draw; the others are neutral): the
 # continuous loop draws as `generate` would.
 GENERATE_DEFAULTS = {"top_k": 50}
+# The OpenAI and TGI routes' own (API_SAMPLING), for what the model's generation config
+# leaves unset: every token may be drawn, as TGI and vLLM draw (not generate's 50 likeliest).
+API_DEFAULTS: dict[str, Any] = {"top_k": 0}
 # The generation-config settings that change what `generate` makes and that the continuous
 # loop does not apply, each with the value that changes nothing (None, or an empty list,
 # changes nothing for every one): a model whose config sets one generates statically, one
@@ -211,12 +214,16 @@ def ignores_eos(params: Mapping[str, Any]) -> bool:
     return bool(params.get("ignore_eos")) and not params.get("grammar")
 
 
-def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def generate_kwargs(
+    params: dict[str, Any], defaults: dict[str, Any], api_defaults: dict[str, Any]
+) -> dict[str, Any]:
     """generate() options from checked request parameters, on top of `defaults` (the
-    pipeline's, for what the model's generation config leaves unset)."""
+    pipeline's, for what the model's generation config leaves unset), or on the OpenAI and
+    TGI routes `api_defaults` (theirs, likewise) and no pipeline temperature."""
     kwargs: dict[str, Any] = dict(defaults)
     if params.get(API_SAMPLING):
         kwargs.pop("temperature", None)
+        kwargs.update(api_defaults)
     for name in (
         "max_new_tokens",
         "do_sample",
@@ -287,6 +294,7 @@ class CausalLMRunner(Runner):
         # `generate` reads it; the pipeline's max_new_tokens would override it, so it adds none
         self.total_length: int | None = None
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
+        self.api_defaults = {k: v for k, v in API_DEFAULTS.items() if k not in configured}
         if "max_length" in configured and "max_new_tokens" not in configured:
             self.total_length = int(configured["max_length"])
             del self.defaults["max_new_tokens"]
@@ -593,7 +601,7 @@ class CausalLMRunner(Runner):
         ids = self.prompt_ids(item, params)
         if not params.get(PROMPT_LISTED):  # (one listed is not read: it may pass them)
             self._check_lengths(params, len(ids))
-        kwargs = generate_kwargs(params, self.defaults)
+        kwargs = generate_kwargs(params, self.defaults, self.api_defaults)
         config = self.model.generation_config
 
         def setting(name: str) -> Any:  # asked, the model's generation config, generate's
@@ -807,7 +815,7 @@ class CausalLMRunner(Runner):
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
     ) -> list[Any]:
         encoded = self.prompts(inputs, params)
-        kwargs = generate_kwargs(params, self.defaults)
+        kwargs = generate_kwargs(params, self.defaults, self.api_defaults)
         # unasked, the length its generation config sets (`self.defaults` leaves it out)
         asked = kwargs.pop("max_new_tokens", self.model.generation_config.max_new_tokens)
         lengths = [int(n) for n in encoded["attention_mask"].sum(-1).tolist()]
