@@ -2475,8 +2475,13 @@ def test_nan_and_infinity_are_no_json_and_refused(constant):
     # was answered "null"
     with pytest.raises(MalformedRequest, match="not valid JSON: .*not JSON numbers"):
         read_json(json_request(b'{"response_format": {"const": ' + constant + b"}}"))
-    # as a string, or a number of the same letters' neighbours, it is JSON
+    # as a string it is JSON; a number past a float's range read as one too (orjson wrote
+    # it null)
     assert read_json(json_request(b'["' + constant + b'", 1e308]')) == [constant.decode(), 1e308]
+    for huge in (b"1e400", b"-1e999", b"1" + b"0" * 400 + b".5"):
+        with pytest.raises(MalformedRequest, match="a number past a float's range"):
+            read_json(json_request(b'{"const": ' + huge + b"}"))
+    assert read_json(json_request(b"[1e-400, " + b"1" * 400 + b"]")) == [0.0, int("1" * 400)]
 
 
 @pytest.mark.parametrize("order", [("k3y", "wrong"), ("wrong", "k3y"), ("k3y", "k3y")])
