@@ -136,6 +136,22 @@ def test_a_bad_regex_is_told_as_the_client_wrote_it():
     assert "\\d(" in said and "[0-9]" not in said and "unclosed group" in said
 
 
+@pytest.mark.parametrize(
+    "dialect",
+    [
+        "https://spec.openapis.org/oas/3.1/dialect/base",  # OpenAPI 3.1's
+        "http://json-schema.org/schema#",  # json-schema.org's unversioned name
+        "https://example.com/my-dialect",
+    ],
+)
+def test_a_dialect_llguidance_does_not_name_is_read_as_the_latest_draft(dialect):
+    """It was taken for a document to fetch, and refused 422 for a `$ref` the schema does
+    not have; xgrammar (vLLM's) reads any."""
+    grammar = {"type": "json", "value": {"$schema": dialect, "type": "integer"}}
+    assert holds(grammar, "5")
+    assert not holds(grammar, '"a"')
+
+
 def test_a_property_named_as_an_annotation_is_a_property():
     """Only a schema's own keys are annotations: a property named "discriminator" (or
     "nullable") is held to its schema, and data under `const` is as written."""

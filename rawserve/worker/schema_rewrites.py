@@ -4,6 +4,7 @@ llguidance could take for constraints, its counts integers, its objects closed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -100,6 +101,19 @@ def compilable(schema: Any) -> Any:
     return closed_objects(without_annotations(schema, reading))
 
 
+# The dialects llguidance reads by name (drafts 3 to 2020-12); another, such as OpenAPI
+# 3.1's or json-schema.org's unversioned "schema#", it took for a document to fetch and
+# refused as a $ref outside the schema: read as the latest draft, as xgrammar reads any.
+KNOWN_DIALECT = re.compile(
+    r"^https?://json-schema\.org/(draft-0[3467]/schema|draft/20(19-09|20-12)/schema)#?$"
+)
+
+
+def known_dialect(declared: Any) -> bool:
+    """Whether a root's `$schema` (absent: None) is one llguidance reads by name."""
+    return declared is None or (isinstance(declared, str) and bool(KNOWN_DIALECT.match(declared)))
+
+
 def siblings_ignored(schema: Any) -> bool:
     """Whether the schema's draft (its root's `$schema`: 4, 6 or 7) makes a `$ref`'s
     siblings ignored, as llguidance reads them."""
@@ -137,7 +151,7 @@ def without_annotations(schema: Any, reading: Reading, here: Pointed | None = No
     root = reading.root
     here = root if here is None or begins_resource(schema) else here
     bare = {key: value for key, value in schema.items() if key in KEYWORDS}
-    if nested:
+    if nested or not known_dialect(bare.get("$schema")):
         bare.pop("$schema", None)
     if reading.siblings_ignored and "$ref" in bare:
         for keyword in ("$id", "id"):  # (an anchor's `"$id": "#name"` it reads still)
