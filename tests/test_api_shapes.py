@@ -2380,6 +2380,14 @@ def test_structured_outputs_takes_its_other_kinds_given_as_false():
 
     held = read_structured_outputs("s", {"json": {"type": "object"}, "json_object": False}, None)
     assert held["type"] == "json"
+    # its options that change nothing here are taken; one that would is named
+    options = {"backend": "xgrammar", "disable_any_whitespace": True, "disable_fallback": True}
+    held = read_structured_outputs("s", {"regex": "a+", **options}, None)
+    assert held == {"type": "regex", "value": "a+"}
+    with pytest.raises(BadRequest, match="'whitespace_pattern', which this server does not"):
+        read_structured_outputs("s", {"json": {}, "whitespace_pattern": " *"}, None)
+    with pytest.raises(BadRequest, match="'grammar', 'structural_tag', which"):
+        read_structured_outputs("s", {"grammar": "g", "structural_tag": "t"}, None)
 
 
 def test_metadata_takes_keys_and_values_at_openais_bounds():

@@ -435,12 +435,28 @@ def read_guided_choice(name: str, value: Any, context: DocContext | None) -> dic
     return {"type": "regex", "value": "(" + "|".join(escaped) + ")"}
 
 
+# vLLM's options beside a structured output that change nothing here: one backend, no
+# fallback from it, no whitespace between tokens of JSON, and objects that list their
+# properties closed where they leave `additionalProperties` unstated
+STRUCTURED_OPTIONS = frozenset(
+    {"backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
+)
+
+
 def read_structured_outputs(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
     """vLLM's form of the guided fields since 0.12: `{"json" | "regex" | "choice": ...}`,
-    or `{"json_object": true}` (its other fields taken where null or false)."""
+    or `{"json_object": true}` (its other fields taken where null or false, its options
+    that change nothing here taken, any other named)."""
     readers = {"json": read_guided_json, "regex": read_guided_regex, "choice": read_guided_choice}
     asked = value if isinstance(value, dict) else {}
     asked = {key: given for key, given in asked.items() if given not in (None, False)}
+    unheld = sorted(set(asked) - STRUCTURED_OPTIONS - {*readers, "json_object"})
+    if unheld:
+        raise BadRequest(
+            f'"{name}" holds {", ".join(map(repr, unheld))}, which this server does not '
+            'follow: it holds an answer to "json", "regex", "choice" or "json_object": true'
+        )
+    asked = {key: given for key, given in asked.items() if key not in STRUCTURED_OPTIONS}
     if asked == {"json_object": True}:
         return {"type": "json", "value": {"type": "object"}}
     if len(asked) != 1 or next(iter(asked)) not in readers:
