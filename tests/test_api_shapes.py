@@ -2088,7 +2088,7 @@ def test_where_the_positions_are_unknown_new_tokens_stop_at_4096(path, body, fie
     assert (status, sent) == (400 if field else 422, [])
 
 
-BAD_MAX_TOKENS = ["x", True, -5, [1, 2], {}, float("nan"), float("inf"), 2**70]
+BAD_MAX_TOKENS = ["x", True, -5, [1, 2], {}, 2.5, 2**70]  # (NaN is no JSON: refused unread)
 
 
 @pytest.mark.parametrize("bad", BAD_MAX_TOKENS, ids=repr)

@@ -1143,6 +1143,29 @@ def test_vllms_guided_fields_hold_the_answer_as_response_format_does(servers):
     assert status == 400 and "not several" in body["error"]["message"], body
 
 
+def test_vllms_truncate_prompt_tokens_reads_a_prompts_last_tokens(servers):
+    """vLLM's clients send it to answer a long prompt from its end: it was 400 (an unknown
+    field) where /generate's `truncate` did the same."""
+    server = servers["chat"]
+    long_prompt = "the movie was good " * 100  # past the tiny model's 256 positions
+    greedy = {"max_tokens": 3, "temperature": 0}
+    status, body = server.post_json({"prompt": long_prompt, **greedy}, "/v1/completions")
+    assert status == 422 and 'send "truncate_prompt_tokens"' in body["error"]["message"]
+    document = {"prompt": long_prompt, **greedy, "truncate_prompt_tokens": 20}
+    status, body = server.post_json(document, "/v1/completions")
+    assert status == 200 and body["usage"]["prompt_tokens"] == 20, body
+    tgi = {"inputs": long_prompt, "parameters": {"max_new_tokens": 3, "truncate": 20}}
+    assert body["choices"][0]["text"] == server.post_json(tgi, "/generate")[1]["generated_text"]
+    chat = {"messages": [{"role": "user", "content": long_prompt}], **greedy}
+    status, body = server.post_json({**chat, "truncate_prompt_tokens": -1}, "/v1/chat/completions")
+    assert status == 200 and body["usage"]["prompt_tokens"] == 255, body  # room for one
+    for keep, said in ((0, "must be -1 or a count"), (256, "reads at most 255 tokens")):
+        document = {**chat, "truncate_prompt_tokens": keep}
+        status, body = server.post_json(document, "/v1/chat/completions")
+        assert status == 400 and said in body["error"]["message"], body
+        assert body["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_vllms_structured_outputs_hold_the_answer_as_its_guided_fields_did(servers):
     """vLLM 0.12 took out the guided fields for `structured_outputs`, which its documents
     and clients now send: it was a 400 (an unknown field)."""

@@ -47,6 +47,7 @@ from rawserve.api.openai_generation import (
     check_token_ids,
     parse_completion,
     parse_model_chat,
+    prompt_cut,
     prompt_schema,
     read_prompts,
     refuse_unknown_ids,
@@ -64,6 +65,7 @@ from rawserve.api.outcomes import unwrap, unwrap_all
 from rawserve.api.prompt_cuts import asked_cut, cut_fields
 from rawserve.api.prompts import (
     CHAT_LISTED_BYTES,
+    CUT_WITH_TRUNCATE_PROMPT_TOKENS,
     LISTED_BYTES,
     check_echo_size,
     check_generated_size,
@@ -240,14 +242,21 @@ async def check_prompt_room(
     streamed, a later prompt's refusal came as an error event in another shape than the
     whole answer's 400."""
     least = int(generation.params.get("min_new_tokens") or 0)
+    # (vLLM's truncate_prompt_tokens, read as TGI's truncate: `prompt_cut`)
+    cut = generation.params.get("truncate")
+    remedy = CUT_WITH_TRUNCATE_PROMPT_TOKENS
     if scored or least <= 1:
-        await check_lengths(tokenizers, model, generation.items, chat, scored)
+        await check_lengths(
+            tokenizers, model, generation.items, chat, scored, truncate=cut, remedy=remedy
+        )
         return
     try:
-        await check_lengths(tokenizers, model, generation.items, chat, least_new=least)
+        await check_lengths(
+            tokenizers, model, generation.items, chat, least_new=least, truncate=cut, remedy=remedy
+        )
     except UnprocessableInput:
         # a prompt past the positions says so first; else only min_tokens is at fault
-        await check_lengths(tokenizers, model, generation.items, chat)
+        await check_lengths(tokenizers, model, generation.items, chat, remedy=remedy)
         longest = None if chat else await longest_prompt(tokenizers, model, generation.items)
         message = min_tokens_past_room(least, longest, model.positions)
         raise BadRequest(message, param="min_tokens") from None
@@ -477,6 +486,7 @@ class OpenAIRoutes:
         check_token_ids(generation, loaded.details.get("vocabulary") if loaded else None)
         most = self.context.settings.max_client_batch_size
         check_choices(generation, most, model.serving.most_admitted)
+        prompt_cut(generation, model.positions)
         scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
         await check_prompt_room(self.context.tokenizers, model, generation, chat, scored)
         largest = self.context.settings.max_answer_bytes

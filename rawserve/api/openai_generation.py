@@ -57,6 +57,7 @@ from rawserve.api.openai_tools import (
     read_tool_choice,
     read_tools,
 )
+from rawserve.api.prompt_cuts import TRUNCATE_PROMPT_TOKENS, read_truncation
 from rawserve.api.routing import DocContext, Needs, Schema
 from rawserve.api.served import ServedModel
 from rawserve.http.errors import (
@@ -209,6 +210,14 @@ def generation_params(
     top_k = fields.value("top_k")
     if top_k is not None:  # vLLM's -1 and 0: every token (the model's own default is off)
         params["top_k"] = max(top_k, 0)
+    keep = fields.value(TRUNCATE_PROMPT_TOKENS)
+    if keep == 0:
+        raise BadRequest(
+            f'"{TRUNCATE_PROMPT_TOKENS}" must be -1 or a count of tokens above 0',
+            param=TRUNCATE_PROMPT_TOKENS,
+        )
+    if keep is not None:  # (-1 is made a count once the model is known: `prompt_cut`)
+        params["truncate"] = keep
     repetition_penalty = fields.value("repetition_penalty")
     if repetition_penalty is not None:
         params["repetition_penalty"] = repetition_penalty
@@ -245,6 +254,23 @@ def generation_params(
     return GenerationRequest(
         [], params, stop, stream, include_usage, max_tokens_field, n=n, grammar_field=grammar_field
     )
+
+
+def prompt_cut(generation: GenerationRequest, positions: int) -> None:
+    """vLLM's `truncate_prompt_tokens` as TGI's `truncate`, the last tokens of a prompt a
+    worker reads: -1, as many as the model reads of one and a new token; 400 for more."""
+    keep = generation.params.get("truncate")
+    if keep is None or positions < 1:
+        return
+    most = positions - max(1, int(generation.params.get("min_new_tokens") or 0))
+    if keep == -1:
+        generation.params["truncate"] = max(most, 1)
+    elif keep > most:
+        raise BadRequest(
+            f'"{TRUNCATE_PROMPT_TOKENS}" is {keep}, and this model reads at most {most} '
+            f"tokens of a prompt (its {positions} positions, less room for the new tokens)",
+            param=TRUNCATE_PROMPT_TOKENS,
+        )
 
 
 def check_choices(generation: GenerationRequest, most: int, admitted: int | None = None) -> None:
@@ -1003,6 +1029,13 @@ COMMON: dict[str, Field] = {
     ),
     # vLLM's: sample from the k likeliest tokens only (-1 or 0: from all of them)
     "top_k": whole(-1, 2**31 - 1),
+    # vLLM's: only the prompt's last k tokens are read (-1: as many as the model reads)
+    TRUNCATE_PROMPT_TOKENS: Field(
+        {"anyOf": [{"type": "integer", "minimum": 1}, {"enum": [-1, None]}]},
+        read_truncation,
+        description="Read only the prompt's last this many tokens (-1: as many as the model "
+        "reads of a prompt); none: a prompt longer than the model reads is refused.",
+    ),
     # vLLM's: no end of sequence before min_tokens, or none at all (benchmarks ask for
     # answers of a fixed length)
     "min_tokens": whole(0, MAX_NEW_TOKENS),

@@ -53,6 +53,7 @@ T = TypeVar("T")
 # parameters cut one where asked
 UNCUT = "text generation does not cut prompts"
 CUT_WITH_TRUNCATE = 'send "truncate" to read only its last tokens'
+CUT_WITH_TRUNCATE_PROMPT_TOKENS = 'send "truncate_prompt_tokens" to read only its last tokens'
 
 
 async def check_lengths(
@@ -86,7 +87,7 @@ async def check_lengths(
     if any(isinstance(prompt, list) and len(prompt) > most for prompt in prompts):
         raise too_long(most, scored, remedy)
     if chat:
-        await check_chat_lengths(tokenizers, model, prompts, most, scored)
+        await check_chat_lengths(tokenizers, model, prompts, most, scored, remedy)
         return
     texts = [prompt for prompt in prompts if isinstance(prompt, str)]
     tokenizer = await tokenizers.get(model) if texts else None
@@ -129,14 +130,19 @@ async def longest_prompt(
 
 
 async def check_chat_lengths(
-    tokenizers: ServerTokenizers, model: ServedModel, chats: Sequence[Any], most: int, scored: bool
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    chats: Sequence[Any],
+    most: int,
+    scored: bool,
+    remedy: str = UNCUT,
 ) -> None:
     """422 when a chat surely has more than `most` tokens once its template renders it
     (`chat_count`): its template's turns alone, counted first, need no tokenizer."""
     loaded = model.serving.loaded
     counts = [chat_count(chat, loaded.details if loaded else {}) for chat in chats]
     if any(count.added > most for count in counts):
-        raise too_long(most, scored)
+        raise too_long(most, scored, remedy)
     tokenizer = await tokenizers.get(model) if any(count.text for count in counts) else None
     if tokenizer is None:
         return
@@ -145,7 +151,7 @@ async def check_chat_lengths(
         try:
             await by_length([count.text], count_within, tokenizer, [count.text], room, False)
         except TooManyTokens:
-            raise too_long(most, scored) from None
+            raise too_long(most, scored, remedy) from None
 
 
 @dataclass(frozen=True)
