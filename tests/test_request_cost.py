@@ -38,7 +38,7 @@ from rawserve.http.errors import PayloadTooLarge
 from rawserve.serving.service import ModelService
 from rawserve.shared.memory import give_back_free_memory
 from rawserve.tasks.text_generation import MIN_TOKENS_PAST_ROOM
-from rawserve.tasks.windows import PIECE_CHARS, pieces
+from rawserve.tasks.windows import pieces
 from tests.server import RunningServer
 from tests.test_api_shapes import Idle, Loaded, post
 
@@ -164,36 +164,6 @@ def test_a_long_word_without_spaces_is_answered_whole(tokenizer):
     """One word of 900 KB is one unknown token: counted in pieces, it fits."""
     encoding, _ = tokenizer.encode("a" * 900_000, True, TokenBound(LIMIT))
     assert len(encoding.ids) == 3  # [CLS] [UNK] [SEP]
-
-
-def across_pieces(direction: str) -> str:
-    """One word over twenty counting pieces (a hex dump, say), words, and a second long
-    word across the next piece's end: each word one unknown token, which the pieces count
-    once each, 21 more than the text holds. Read from the end for "left"."""
-    words = " w" * 115
-    parts = ["a" * (20 * PIECE_CHARS), words, " ", "b" * (PIECE_CHARS - len(words) + 199)]
-    return "".join(parts if direction == "right" else [part[::-1] for part in parts[::-1]])
-
-
-@pytest.mark.parametrize("direction", ["right", "left"])
-def test_long_words_across_pieces_are_cut_and_counted_as_the_whole_text(
-    tokenizer, tokenizer_json, direction
-):
-    """The span kept was short of the bound (119 tokens of 128, not what the model reads,
-    nor what /embed said it read); a text that fits (119) was refused."""
-    more = " c" * 300
-    text = (
-        across_pieces(direction) + more if direction == "right" else more + across_pieces(direction)
-    )
-    bound = TokenBound(LIMIT, True, direction)
-    cut, _ = tokenizer.encode(text, True, bound)
-    assert cut.ids == library_truncated(tokenizer_json, text, direction)
-    body = asyncio.run(tokenizer.tokenize([text], True, bound, 2**24))
-    assert [token["id"] for token in json.loads(body)[0]] == cut.ids
-    encoding, _ = tokenizer.encode(across_pieces(direction), True, TokenBound(LIMIT))
-    assert len(encoding.ids) == 2 + 115 + 2  # untruncated: it fits
-    with pytest.raises(TooManyTokens):  # and one that does not is still refused
-        tokenizer.encode(across_pieces(direction) + " w" * 10, True, TokenBound(LIMIT))
 
 
 def test_an_answer_over_the_bound_is_refused_naming_it(tokenizer):

@@ -150,8 +150,7 @@ class ServerTokenizer:
         # one text holds it (32 texts of 3,000 words stalled the event loop 0.2 s a request)
         pieces = [text[start:end] for text, (start, end) in zip(texts, spans, strict=True)]
         encoded = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
-        for text, span, piece in zip(texts, spans, encoded, strict=True):
-            piece, start = self._whole_if_short(text, span, piece, add_special, bound)
+        for text, (start, _), piece in zip(texts, spans, encoded, strict=True):
             encoding = self._finished(piece, add_special, bound)
             part = tokens_json(encoding, text, start)
             size += len(part) + bool(parts)  # (a comma before each part but the first)
@@ -185,11 +184,10 @@ class ServerTokenizer:
     ) -> tuple[tokenizers.Encoding, int]:
         """`text`'s encoding within `bound`, and the character where the encoded part
         starts (0 unless the start was cut). Never encodes much more than it keeps."""
-        start, end = span = self._span(text, add_special, bound)
+        start, end = self._span(text, add_special, bound)
         # (a batch of one: the library lets go of the GIL as it encodes a batch, where its
         # encode of one text holds it: a 1 MB prompt stalled the event loop 0.46 s)
         [encoding] = self.tokenizer.encode_batch([text[start:end]], add_special_tokens=False)
-        encoding, start = self._whole_if_short(text, span, encoding, add_special, bound)
         return self._finished(encoding, add_special, bound), start
 
     def _budget(self, add_special: bool, bound: TokenBound) -> int:
@@ -204,24 +202,11 @@ class ServerTokenizer:
         from_end = bound.direction == "left"
         budget = self._budget(add_special, bound)
         over = span_past(self._piece_tokens, text, budget + COUNT_MARGIN, from_end)
-        return (0, len(text)) if over is None else over
-
-    def _whole_if_short(
-        self,
-        text: str,
-        span: tuple[int, int],
-        encoding: tokenizers.Encoding,
-        add_special: bool,
-        bound: TokenBound,
-    ) -> tuple[tokenizers.Encoding, int]:
-        """`encoding` of `text[span]` and where it starts, or where a cut span came out
-        within the bound, the whole text's: its pieces counted more tokens than it holds (a
-        long word cut between two pieces, each part an unknown token), and a text that fits
-        was refused, or cut short of what the model reads (as the worker's `encode_cut`)."""
-        if span == (0, len(text)) or len(encoding) > self._budget(add_special, bound):
-            return encoding, span[0]
-        [whole] = self.tokenizer.encode_batch([text], add_special_tokens=False)
-        return whole, 0
+        if over is None:
+            return 0, len(text)
+        if not bound.truncate:
+            raise TooManyTokens(bound.max_tokens)
+        return over
 
     def _finished(
         self, encoding: tokenizers.Encoding, add_special: bool, bound: TokenBound
