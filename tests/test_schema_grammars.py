@@ -122,6 +122,12 @@ def test_llguidances_own_options_in_a_schema_are_an_annotation():
         (r"\D\W\S", "\u0661\u00e9\u00e9", "1a "),
         (r"\\d", "\\d", "5"),  # an escaped backslash and a d
         (r"\p{Nd}", "\u0661", "a"),  # Unicode's, asked by name
+        (r"(?x) a \s b", "a b", "a\u3000b"),  # verbose: the class's space is no blank
+        (r"(?x) a \S b", "a\u00e9b", "a b"),
+        (r"(?i)\w{2}", "kS", "\u212a\u017f"),  # (?i) folds k and s to Kelvin and long s
+        (r"(?i)\W", "\u212a", "k"),
+        (r"[]\d]+", "]1", "a"),  # a "]" first in a class is a character
+        (r"[^]\d]+", "a\u0661", "1"),
     ],
 )
 def test_a_regexs_classes_are_ascii_as_tgi_and_vllm_read_them(pattern, taken, refused):

@@ -143,22 +143,47 @@ def grammar_text(grammar: Mapping[str, Any]) -> str:
 # \d, \w and \s as TGI's outlines, vLLM's xgrammar and a JSON schema's pattern read them:
 # ASCII (llguidance's regex reads Unicode's: \d{4} wrote Arabic-Indic digits, which int()
 # reads and JavaScript does not). Each is a class, valid inside another class too (a
-# nested class, as llguidance's regex syntax takes it).
+# nested class, as llguidance's regex syntax takes it); a space written \x20, which a
+# verbose pattern's (?x) does not drop.
 ASCII_CLASSES = {
     "d": "[0-9]",
     "D": "[^0-9]",
     "w": "[0-9A-Za-z_]",
     "W": "[^0-9A-Za-z_]",
-    "s": "[\\t\\n\\x0B\\f\\r ]",
-    "S": "[^\\t\\n\\x0B\\f\\r ]",
+    "s": "[\\t\\n\\x0B\\f\\r\\x20]",
+    "S": "[^\\t\\n\\x0B\\f\\r\\x20]",
 }
-_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
 
 
 def ascii_classes(pattern: str) -> str:
     """`pattern` with its \\d, \\w and \\s (and their complements) read as ASCII; any
-    other escape (`\\\\d`, an escaped backslash and a d) as written."""
-    return _ESCAPE.sub(lambda escape: ASCII_CLASSES.get(escape[1], escape[0]), pattern)
+    other escape (`\\\\d`, an escaped backslash and a d) as written. Outside a class each
+    is kept from a (?i) flag, which folds k and s to the Kelvin sign and the long s."""
+    written: list[str] = []
+    depth = 0  # classes open at this point (nested ones too)
+    at = 0
+    while at < len(pattern):
+        char = pattern[at]
+        if char == "\\" and at + 1 < len(pattern):
+            escape = pattern[at : at + 2]
+            ascii_class = ASCII_CLASSES.get(pattern[at + 1])
+            if ascii_class is None:
+                written.append(escape)
+            else:
+                written.append(ascii_class if depth else f"(?-i:{ascii_class})")
+            at += 2
+            continue
+        written.append(char)
+        at += 1
+        if char == "[":  # a class opens; a "]" first in it (after a "^") is a character
+            depth += 1
+            for literal in "^]":
+                if pattern.startswith(literal, at):
+                    written.append(literal)
+                    at += 1
+        elif char == "]" and depth:
+            depth -= 1
+    return "".join(written)
 
 
 def thinking_first(text: str, opened: str, tag_tokens: Mapping[str, int]) -> str:
