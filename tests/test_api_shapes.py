@@ -2374,6 +2374,14 @@ def test_guided_choice_holds_its_texts_as_written_not_as_patterns():
     assert read_guided_choice("c", ["1+1", "a.b"], None)["value"] == r"(1\+1|a\.b)"
 
 
+def test_guided_json_as_a_text_says_where_it_is_no_json():
+    from rawserve.api.openai_generation import read_guided_json
+
+    with pytest.raises(BadRequest, match="its text holds NaN: NaN and Infinity are not JSON"):
+        read_guided_json("guided_json", '{"const": NaN}', None)
+    assert read_guided_json("guided_json", '{"const": 1e308}', None)["value"] == {"const": 1e308}
+
+
 def test_structured_outputs_takes_its_other_kinds_given_as_false():
     """vLLM's clients send `{"json": schema, "json_object": false}`."""
     from rawserve.api.openai_generation import read_structured_outputs

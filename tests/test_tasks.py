@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -769,9 +770,13 @@ def test_a_json_grammar_is_taken_by_either_of_tgis_names(grammar, read):
 def test_a_json_grammar_written_as_a_text_holds_no_nan():
     """TGI's grammar value may be a text of JSON: read as JSON, NaN and Infinity are not
     (a schema's {"const": NaN} was answered "null")."""
-    for text in ('{"const": NaN}', '{"enum": [Infinity, 1]}'):
+    for text, said in (
+        ('{"const": NaN}', "its text holds NaN: NaN and Infinity are not JSON numbers"),
+        ('{"enum": [Infinity, 1]}', "its text holds Infinity"),
+        ('{"maximum": 1e400}', "its text holds a number past a float's range: 1e400"),
+    ):
         grammar = {"type": "json_object", "value": text}
-        with pytest.raises(BadRequest, match="takes a JSON schema"):
+        with pytest.raises(BadRequest, match=f"takes a JSON schema.*{re.escape(said)}"):
             parse_json_body("text-generation", {"inputs": "x", "parameters": {"grammar": grammar}})
 
 

@@ -443,8 +443,12 @@ def check_schema_description(name: str, described: dict[str, Any]) -> None:
 def read_guided_json(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
     try:
         return text_generation.grammar({"type": "json", "value": value})
-    except ValueError:
-        raise BadRequest(f'"{name}" must be a JSON schema: an object, or a text of one') from None
+    except ValueError as exc:
+        held = str(exc).partition(", and its text holds ")[2]  # (NaN, 1e400: said)
+        why = f", and its text holds {held}" if held else ""
+        raise BadRequest(
+            f'"{name}" must be a JSON schema: an object, or a text of one{why}'
+        ) from None
 
 
 def read_guided_regex(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:

@@ -284,6 +284,9 @@ GRAMMAR_SCHEMA = {
 }
 
 
+TAKES_A_SCHEMA = "of type json takes a JSON schema: an object, or a text of one"
+
+
 @checker(GRAMMAR_SCHEMA)
 def grammar(value: Any) -> dict[str, Any]:
     """TGI's grammar as the worker takes it: `{"type": "json", "value": schema}` (the
@@ -308,10 +311,12 @@ def grammar(value: Any) -> dict[str, Any]:
         if isinstance(given, str):
             try:
                 given = json_text.loads(given)
-            except (ValueError, RecursionError):  # (a text nested past the parser's limit)
+            except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
+                if json_text.NOT_JSON_NUMBERS in str(exc) or json_text.PAST_RANGE in str(exc):
+                    raise ValueError(f"{TAKES_A_SCHEMA}, and its text holds {exc}") from None
                 given = None
         if not isinstance(given, dict):
-            raise ValueError("of type json takes a JSON schema: an object, or a text of one")
+            raise ValueError(TAKES_A_SCHEMA)
         return {"type": "json", "value": given}
     raise ValueError('type must be "json", "json_object", "json_schema" or "regex"')
 
