@@ -210,6 +210,29 @@ def test_unknown_paths_share_one_route_label():
     assert routes == {"other", "/metrics"}
 
 
+def test_a_long_request_and_batch_are_measured_not_read_as_the_last_bound():
+    """A 111 s generation read as a p99 of 30 s, its compute as 5 s, and a batch of 1,000
+    as 256: histogram_quantile reads what passed the last bound as that bound. The bounds
+    reach what the server allows (--max-timeout 300 s, --batch-timeout 120 s)."""
+    metrics = Metrics(routes=["/"])
+    metrics.observe_request("/", "POST", 200, 111.0)
+    metrics.for_model("m").observe_batch(1000, 111.0)
+    samples = [
+        sample
+        for family in text_string_to_metric_families(metrics.render()[0].decode())
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    ]
+
+    def first_bound_holding(name: str) -> str:
+        held = [s for s in samples if s.name == name and s.value == 1 and s.labels["le"]]
+        return min(held, key=lambda s: float(s.labels["le"])).labels["le"]
+
+    assert first_bound_holding("rawserve_request_duration_seconds_bucket") == "120.0"
+    assert first_bound_holding("rawserve_batch_compute_seconds_bucket") == "120.0"
+    assert first_bound_holding("rawserve_batch_size_bucket") == "1024.0"
+
+
 def test_one_route_answered_with_two_statuses_counts_each_status_apart():
     """An alert on the share of 5xx answers reads the `status` label: a route's 503s are
     their own series, never added to its 200s."""

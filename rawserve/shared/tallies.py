@@ -22,13 +22,14 @@ from dataclasses import dataclass
 WAIT_BUCKETS = (
     0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0065, 0.008, 0.01, 0.0125,
     0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-    10.0, 30.0,
+    10.0, 30.0, 60.0, 120.0, 300.0,  # (a request waits up to its --max-timeout)
 )  # fmt: skip
 # Between two tokens of one sequence: a step (~1 ms replayed on a GPU), or a step and
 # the prefills beside it
 INTER_TOKEN_BUCKETS = (
     0.00025, 0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.002, 0.0025, 0.003, 0.004,
     0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,  # (a CPU's step beside long prefills)
 )  # fmt: skip
 
 
