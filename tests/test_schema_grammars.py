@@ -148,11 +148,14 @@ def test_a_bad_regex_is_told_as_the_client_wrote_it():
         "https://spec.openapis.org/oas/3.1/dialect/base",  # OpenAPI 3.1's
         "http://json-schema.org/schema#",  # json-schema.org's unversioned name
         "https://example.com/my-dialect",
+        "https://json-schema.org/draft-07/schema#",  # a draft under the other scheme
+        "http://json-schema.org/draft/2020-12/schema",
+        "https://json-schema.org/draft-04/schema",
     ],
 )
 def test_a_dialect_llguidance_does_not_name_is_read_as_the_latest_draft(dialect):
     """It was taken for a document to fetch, and refused 422 for a `$ref` the schema does
-    not have; xgrammar (vLLM's) reads any."""
+    not have; xgrammar (vLLM's) reads any. A draft under the other scheme is that draft."""
     grammar = {"type": "json", "value": {"$schema": dialect, "type": "integer"}}
     assert holds(grammar, "5")
     assert not holds(grammar, '"a"')

@@ -101,24 +101,31 @@ def compilable(schema: Any) -> Any:
     return closed_objects(without_annotations(schema, reading))
 
 
-# The dialects llguidance reads by name (drafts 3 to 2020-12); another, such as OpenAPI
-# 3.1's or json-schema.org's unversioned "schema#", it took for a document to fetch and
-# refused as a $ref outside the schema: read as the latest draft, as xgrammar reads any.
-KNOWN_DIALECT = re.compile(
-    r"^https?://json-schema\.org/(draft-0[3467]/schema|draft/20(19-09|20-12)/schema)#?$"
+# The dialects llguidance reads by name (drafts 3 to 2020-12), each in one spelling: its
+# drafts 3 to 7 under http, 2019-09 and 2020-12 under https. Another, such as OpenAPI
+# 3.1's, json-schema.org's unversioned "schema#", or a draft under the other scheme, it
+# took for a document to fetch and refused as a $ref outside the schema: a draft is read
+# in its spelling, any other as the latest draft, as xgrammar reads any.
+DRAFT = re.compile(
+    r"^https?://json-schema\.org/(draft-0[3467]/schema|draft/20(?:19-09|20-12)/schema)#?$"
 )
 
 
-def known_dialect(declared: Any) -> bool:
-    """Whether a root's `$schema` (absent: None) is one llguidance reads by name."""
-    return declared is None or (isinstance(declared, str) and bool(KNOWN_DIALECT.match(declared)))
+def dialect(declared: Any) -> str | None:
+    """A root `$schema` as llguidance names its draft; None for none, or one it does not
+    name (read as the latest draft)."""
+    found = DRAFT.match(declared) if isinstance(declared, str) else None
+    if found is None:
+        return None
+    scheme = "http" if found[1].startswith("draft-0") else "https"
+    return f"{scheme}://json-schema.org/{found[1]}{'#' if declared.endswith('#') else ''}"
 
 
 def siblings_ignored(schema: Any) -> bool:
-    """Whether the schema's draft (its root's `$schema`: 4, 6 or 7) makes a `$ref`'s
+    """Whether the schema's draft (its root's `$schema`: 3, 4, 6 or 7) makes a `$ref`'s
     siblings ignored, as llguidance reads them."""
-    declared = schema.get("$schema") if isinstance(schema, dict) else None
-    return isinstance(declared, str) and any(f"draft-0{n}" in declared for n in (3, 4, 6, 7))
+    declared = dialect(schema.get("$schema")) if isinstance(schema, dict) else None
+    return declared is not None and declared.startswith("http://json-schema.org/draft-0")
 
 
 @dataclass(frozen=True)
@@ -151,8 +158,11 @@ def without_annotations(schema: Any, reading: Reading, here: Pointed | None = No
     root = reading.root
     here = root if here is None or begins_resource(schema) else here
     bare = {key: value for key, value in schema.items() if key in KEYWORDS}
-    if nested or not known_dialect(bare.get("$schema")):
+    declared = None if nested else dialect(bare.get("$schema"))
+    if declared is None:  # (a nested one, or one llguidance does not name)
         bare.pop("$schema", None)
+    else:
+        bare["$schema"] = declared
     if reading.siblings_ignored and "$ref" in bare:
         for keyword in ("$id", "id"):  # (an anchor's `"$id": "#name"` it reads still)
             if isinstance(bare.get(keyword), str) and not bare[keyword].startswith("#"):
