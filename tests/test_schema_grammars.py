@@ -128,6 +128,9 @@ def test_llguidances_own_options_in_a_schema_are_an_annotation():
         (r"(?i)\W", "\u212a", "k"),
         (r"[]\d]+", "]1", "a"),  # a "]" first in a class is a character
         (r"[^]\d]+", "a\u0661", "1"),
+        (r"(?i)[\w.-]+", "a.B-k", "\u212a"),  # within a class too (an email's, say)
+        (r"(?i)[^\W]+", "kS", "\u017f"),
+        (r"(?i)[\dk]+", "1K", "a"),  # (a class without \w keeps its letters' folding)
     ],
 )
 def test_a_regexs_classes_are_ascii_as_tgi_and_vllm_read_them(pattern, taken, refused):
@@ -135,6 +138,16 @@ def test_a_regexs_classes_are_ascii_as_tgi_and_vllm_read_them(pattern, taken, re
     `pattern` read them: \\d{4} wrote Arabic-Indic digits, which JavaScript reads as none."""
     assert holds({"type": "regex", "value": pattern}, taken)
     assert not holds({"type": "regex", "value": pattern}, refused)
+
+
+def test_a_verbose_pattern_of_several_lines_is_refused_not_misread():
+    """llguidance wrote a line's end as an escape, which ends no comment and matches a
+    newline: "(?x)1 # one\\n a" matched "1", the rest dropped without a word."""
+    for pattern in ("(?x)1 # one\n a", "(?x)1\n a"):
+        said = refusal({"type": "regex", "value": pattern})
+        assert "a verbose (?x) pattern of several lines is not read here" in said
+    assert holds({"type": "regex", "value": "(?x)1 a # one"}, "1a")  # on one line: read
+    assert holds({"type": "regex", "value": "1\na"}, "1\na")  # (not verbose: a newline)
 
 
 def test_a_bad_regex_is_told_as_the_client_wrote_it():

@@ -135,6 +135,7 @@ def grammar_text(grammar: Mapping[str, Any]) -> str:
         pattern = grammar["value"]
         if (len(pattern) - len(pattern.rstrip("\\"))) % 2:  # (llguidance drops it)
             raise ValueError("regex parse error: the pattern ends in a lone backslash")
+        refuse_verbose_lines(pattern)
         return str(llguidance.LLMatcher.grammar_from_regex(ascii_classes(pattern)))
     schema = compilable(grammar["value"])
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
@@ -157,10 +158,14 @@ ASCII_CLASSES = {
 
 def ascii_classes(pattern: str) -> str:
     """`pattern` with its \\d, \\w and \\s (and their complements) read as ASCII; any
-    other escape (`\\\\d`, an escaped backslash and a d) as written. Outside a class each
-    is kept from a (?i) flag, which folds k and s to the Kelvin sign and the long s."""
+    other escape (`\\\\d`, an escaped backslash and a d) as written. Each is kept from a
+    (?i) flag, which folds k and s to the Kelvin sign and the long s: alone, in a
+    (?-i:...) of its own; within a class, the whole class (its other letters then match
+    as written)."""
     written: list[str] = []
     depth = 0  # classes open at this point (nested ones too)
+    opened = 0  # where in `written` the outermost class opened
+    lettered = False  # a \w or \W within it
     at = 0
     while at < len(pattern):
         char = pattern[at]
@@ -169,13 +174,18 @@ def ascii_classes(pattern: str) -> str:
             ascii_class = ASCII_CLASSES.get(pattern[at + 1])
             if ascii_class is None:
                 written.append(escape)
+            elif depth:
+                written.append(ascii_class)
+                lettered = lettered or pattern[at + 1] in "wW"
             else:
-                written.append(ascii_class if depth else f"(?-i:{ascii_class})")
+                written.append(f"(?-i:{ascii_class})")
             at += 2
             continue
         written.append(char)
         at += 1
         if char == "[":  # a class opens; a "]" first in it (after a "^") is a character
+            if not depth:
+                opened, lettered = len(written) - 1, False
             depth += 1
             for literal in "^]":
                 if pattern.startswith(literal, at):
@@ -183,7 +193,21 @@ def ascii_classes(pattern: str) -> str:
                     at += 1
         elif char == "]" and depth:
             depth -= 1
+            if not depth and lettered:
+                written.insert(opened, "(?-i:")
+                written.append(")")
     return "".join(written)
+
+
+def refuse_verbose_lines(pattern: str) -> None:
+    """ValueError for a verbose (?x) pattern of several lines: llguidance writes a line's
+    end as an escape, which matches a newline and ends no comment ("(?x)1 # one\\n a"
+    matched "1", the rest dropped without a word; "(?x)1\\n a" wanted a newline)."""
+    if "\n" in pattern and re.search(r"\(\?[a-zA-Z]*x", pattern):
+        raise ValueError(
+            "regex parse error: a verbose (?x) pattern of several lines is not read here (its "
+            "line ends would be matched, its comments run on): write it on one line"
+        )
 
 
 def thinking_first(text: str, opened: str, tag_tokens: Mapping[str, int]) -> str:
