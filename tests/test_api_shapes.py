@@ -2396,6 +2396,9 @@ def test_structured_outputs_takes_its_other_kinds_given_as_false():
         read_structured_outputs("s", {"json": {}, "whitespace_pattern": " *"}, None)
     with pytest.raises(BadRequest, match="'grammar', 'structural_tag', which"):
         read_structured_outputs("s", {"grammar": "g", "structural_tag": "t"}, None)
+    for option, value in (("backend", 5), ("disable_any_whitespace", "yes")):
+        with pytest.raises(BadRequest, match=f'"s.{option}" must be'):
+            read_structured_outputs("s", {"json": {}, option: value}, None)
 
 
 def test_metadata_takes_keys_and_values_at_openais_bounds():

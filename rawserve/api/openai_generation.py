@@ -486,6 +486,12 @@ def read_structured_outputs(name: str, value: Any, context: DocContext | None) -
             f'"{name}" holds {", ".join(map(repr, unheld))}, which this server does not '
             'follow: it holds an answer to "json", "regex", "choice" or "json_object": true'
         )
+    for option in STRUCTURED_OPTIONS & asked.keys():  # (as vLLM checks them)
+        kind = str if option == "backend" else bool
+        if not isinstance(asked[option], kind):
+            raise BadRequest(
+                f'"{name}.{option}" must be {"a text" if kind is str else "true or false"}'
+            )
     asked = {key: given for key, given in asked.items() if key not in STRUCTURED_OPTIONS}
     if asked == {"json_object": True}:
         return {"type": "json", "value": {"type": "object"}}
