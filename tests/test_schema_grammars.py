@@ -153,6 +153,9 @@ def test_a_verbose_pattern_of_several_lines_is_refused_not_misread():
 def test_a_bad_regex_is_told_as_the_client_wrote_it():
     said = refusal({"type": "regex", "value": r"\d("})
     assert "\\d(" in said and "[0-9]" not in said and "unclosed group" in said
+    for ranged in (r"[\d-z]", r"[a-\d]"):  # a class is no range's end (its nested one was)
+        assert "invalid range boundary" in refusal({"type": "regex", "value": ranged})
+    assert holds({"type": "regex", "value": r"[\d-]+"}, "1-")  # a "-" last is a character
 
 
 @pytest.mark.parametrize(

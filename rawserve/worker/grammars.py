@@ -172,7 +172,8 @@ def ascii_classes(pattern: str) -> str:
         if char == "\\" and at + 1 < len(pattern):
             escape = pattern[at : at + 2]
             ascii_class = ASCII_CLASSES.get(pattern[at + 1])
-            if ascii_class is None:
+            ranged = depth and pattern[at + 2 : at + 3] == "-" and pattern[at + 3 : at + 4] != "]"
+            if ascii_class is None or ranged:  # (a class as a range's start: refused as is)
                 written.append(escape)
             elif depth:
                 written.append(ascii_class)
