@@ -30,7 +30,6 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.header_numbers import header_decimal
 from rawserve.serving.face import ItemResult
 from rawserve.shared import json_text
-from rawserve.shared.json_text import NOT_JSON_NUMBERS, PAST_RANGE
 
 # Python's own encodings (its docs' "Python Specific Encodings"), which are no charset a
 # client names; decoding a megabyte as punycode (or idna, which calls it) takes a minute.
@@ -67,11 +66,11 @@ def read_json(request: HttpRequest) -> Any:
     except json.JSONDecodeError:
         refuse_media_not_json(request)
         raise MalformedRequest("the body is not valid JSON") from None
-    except ValueError as exc:  # NaN, Infinity, 1e400, or more digits than Python converts
-        if NOT_JSON_NUMBERS in str(exc):
-            raise MalformedRequest(f"the body is not valid JSON: {exc}") from None
-        if PAST_RANGE in str(exc):
-            raise MalformedRequest(f"the body holds {exc}") from None
+    except json_text.PastFloatRange as exc:
+        raise MalformedRequest(f"the body holds {exc}") from None
+    except json_text.NotJsonNumber as exc:
+        raise MalformedRequest(f"the body is not valid JSON: {exc}") from None
+    except ValueError:  # a number of more digits than Python converts (4,300)
         raise MalformedRequest("the body holds a number too long to read") from None
     # Each check runs only where the bytes allow its problem: fewer brackets than the
     # limit cannot nest past it, and a surrogate is written as an escape or as its own

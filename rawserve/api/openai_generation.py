@@ -65,6 +65,7 @@ from rawserve.http.errors import (
     PayloadTooLarge,
     UnprocessableInput,
 )
+from rawserve.shared import json_text
 from rawserve.tasks import (
     CHAT_PARAM,
     BlankInput,
@@ -211,11 +212,6 @@ def generation_params(
     if top_k is not None:  # vLLM's -1 and 0: every token (the model's own default is off)
         params["top_k"] = max(top_k, 0)
     keep = fields.value(TRUNCATE_PROMPT_TOKENS)
-    if keep == 0:
-        raise BadRequest(
-            f'"{TRUNCATE_PROMPT_TOKENS}" must be -1 or a count of tokens above 0',
-            param=TRUNCATE_PROMPT_TOKENS,
-        )
     if keep is not None:  # (-1 is made a count once the model is known: `prompt_cut`)
         params["truncate"] = keep
     repetition_penalty = fields.value("repetition_penalty")
@@ -444,8 +440,8 @@ def read_guided_json(name: str, value: Any, context: DocContext | None) -> dict[
     try:
         return text_generation.grammar({"type": "json", "value": value})
     except ValueError as exc:
-        held = str(exc).partition(", and its text holds ")[2]  # (NaN, 1e400: said)
-        why = f", and its text holds {held}" if held else ""
+        held = exc.__cause__  # (NaN, 1e400 in a text of one: said)
+        why = f", and its text holds {held}" if isinstance(held, json_text.NotJsonNumber) else ""
         raise BadRequest(
             f'"{name}" must be a JSON schema: an object, or a text of one{why}'
         ) from None

@@ -24,7 +24,10 @@ MOST_TOKENS = 2**31 - 1
 
 
 def read_truncation(name: str, value: Any, context: DocContext | None) -> int:
-    return read_integer(name, value, -1, MOST_TOKENS)
+    keep = read_integer(name, value, -1, MOST_TOKENS)
+    if keep == 0:
+        raise BadRequest(f'"{name}" must be -1 or a count of tokens above 0')
+    return keep
 
 
 def cut_fields(absent: str) -> dict[str, Field]:
@@ -42,18 +45,13 @@ def cut_fields(absent: str) -> dict[str, Field]:
 
 
 def asked_cut(model: ServedModel, fields: Fields) -> dict[str, Any] | None:
-    """The worker's parameters of the cut a body asks (None: it asks none); 400 for 0,
-    or more than the model's length."""
+    """The worker's parameters of the cut a body asks (None: it asks none); 400 for more
+    than the model's length (0 is refused as it is read)."""
     keep = fields.value(TRUNCATE_PROMPT_TOKENS)
     side = fields.value(TRUNCATION_SIDE)
     if keep is None:
         return None
     positions = model.positions
-    if keep == 0:
-        raise BadRequest(
-            f'"{TRUNCATE_PROMPT_TOKENS}" must be -1 or a count of tokens above 0',
-            param=TRUNCATE_PROMPT_TOKENS,
-        )
     if positions > 0 and keep > positions:
         raise BadRequest(
             f'"{TRUNCATE_PROMPT_TOKENS}" is {keep}, more than the model\'s length '

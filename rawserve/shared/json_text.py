@@ -9,12 +9,17 @@ import json
 import math
 from typing import Any
 
-NOT_JSON_NUMBERS = "NaN and Infinity are not JSON numbers"
-PAST_RANGE = "a number past a float's range"
+
+class NotJsonNumber(ValueError):
+    """`NaN`, `Infinity` or `-Infinity`: no number JSON has."""
+
+
+class PastFloatRange(NotJsonNumber):
+    """A number no float holds (`1e400`), which Python reads as an infinity."""
 
 
 def _refuse(constant: str) -> Any:
-    raise ValueError(f"{constant}: {NOT_JSON_NUMBERS}")
+    raise NotJsonNumber(f"{constant}: NaN and Infinity are not JSON numbers")
 
 
 def _finite(written: str) -> float:
@@ -22,11 +27,11 @@ def _finite(written: str) -> float:
     value = float(written)
     if math.isinf(value):
         shown = written if len(written) <= 24 else f"{written[:20]}..."
-        raise ValueError(f"{PAST_RANGE}: {shown}")
+        raise PastFloatRange(f"a number past a float's range: {shown}")
     return value
 
 
 def loads(text: str | bytes) -> Any:
-    """`text` read as JSON; ValueError (json.JSONDecodeError for bad syntax) for `NaN`,
-    `Infinity` or `-Infinity`, or a number no float holds."""
+    """`text` read as JSON; NotJsonNumber for `NaN`, `Infinity` or `-Infinity`, or a
+    number no float holds (ValueError, json.JSONDecodeError, for bad syntax)."""
     return json.loads(text, parse_constant=_refuse, parse_float=_finite)

@@ -311,9 +311,9 @@ def grammar(value: Any) -> dict[str, Any]:
         if isinstance(given, str):
             try:
                 given = json_text.loads(given)
-            except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
-                if json_text.NOT_JSON_NUMBERS in str(exc) or json_text.PAST_RANGE in str(exc):
-                    raise ValueError(f"{TAKES_A_SCHEMA}, and its text holds {exc}") from None
+            except json_text.NotJsonNumber as exc:  # (said: the refusal's cause, too)
+                raise ValueError(f"{TAKES_A_SCHEMA}, and its text holds {exc}") from exc
+            except (ValueError, RecursionError):  # (a text nested past the parser's limit)
                 given = None
         if not isinstance(given, dict):
             raise ValueError(TAKES_A_SCHEMA)
