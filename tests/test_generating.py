@@ -262,6 +262,40 @@ def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(llama):
     assert any(first <= o["details"]["tokens"][-1]["id"] <= last for o in outputs)
 
 
+def test_a_stop_that_ends_inside_a_run_of_byte_tokens_ends_the_answer_at_its_token(llama):
+    """A run of byte tokens is let out when it ends: a stop ending in one of its first
+    tokens was found then, and the tokens after it (made before it was known) were
+    listed, streamed and counted, so that a TGI stream ran on past the stop. TGI stops
+    at the token the stop ends in, as both paths now do."""
+    tokenizer = llama.tokenizer
+    bang, at = tokenizer.convert_tokens_to_ids(["<0x21>", "<0x40>"])  # "!" and "@"
+    params = {"max_new_tokens": 10, "do_sample": True, "temperature": 1.5, "details": True}
+    params |= {"return_full_text": False, "logit_bias": {str(bang): 20.0, str(at): 20.0}}
+    params["stop"] = ["@"]
+    batches = [Batch(seed, ("the movie",), {**params, "seed": seed}) for seed in range(6)]
+    streams = [replace(b, batch_id=b.batch_id + 8, control=Control(stream_id=b.batch_id + 1))
+               for b in batches]  # fmt: skip
+    sent = serve(llama, {0: batches + streams})
+    answered = results(sent)
+    chunks = [c for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
+    outputs = [answered[batch.batch_id].outputs[0][0] for batch in batches]
+    outputs += [static(llama, "the movie", batch.params)[0] for batch in batches]
+    stopped = 0
+    for output in outputs:
+        text, details = output["generated_text"], output["details"]
+        if details["finish_reason"] != "stop_sequence":
+            continue
+        stopped += 1
+        assert text == "!" * text.index("@") + "@", text  # the run's first "@" ends it
+        ids = [token["id"] for token in details["tokens"]]
+        assert ids[-1] == at and len(ids) == len(text) == details["generated_tokens"]
+    for batch in batches:
+        tokens = answered[batch.batch_id].outputs[0][0]["details"]["tokens"]
+        streamed = [c.token for c in chunks if c.stream_id == batch.batch_id + 1]
+        assert without_logprobs(streamed) == without_logprobs(tokens)
+    assert stopped >= 6  # (most ran on past the stop: each byte token "!" or "@")
+
+
 def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_lists_its_text_on_its_own_tokens(
     llama,
 ):
@@ -836,8 +870,10 @@ def test_min_new_tokens_ending_in_a_run_of_byte_tokens_counts_stops_where_a_stre
         output = got[0]
         tokens = output["details"]["tokens"]
         texts = [t["text"] for t in tokens if not t["special"]]
-        assert texts[:7] == ["a", "b", "", "", "", "😀", "c"]
-        # the text ends with the stop ("c" after it is not the answer's)
+        # the text and the tokens end with the stop ("c", which the run was let out
+        # with, is not the answer's: it was listed)
+        expected = ["a", "b", "", "", "", "😀"] + ([] if answer == "ab" else ["c", "d"])
+        assert texts == expected
         assert output["generated_text"] == ("ab😀" if answer == "ab" else "ab😀cd")
         assert output["details"]["stops_from"] == len("ab" if at_least == 4 else "ab😀")
         streamed = Streamed(at_least)
@@ -1492,6 +1528,11 @@ def test_a_watched_rows_mask_is_timed_as_it_is_computed(runner, monkeypatch):
         ({"$ref": "http://127.0.0.1:1/x.json"}, "refers to 'http://127.0.0.1:1/x.json', outside"),
         ({"$ref": "file:///etc/passwd"}, "a $ref is followed only within the schema"),
         ({"type": "integer", "minimum": 10**20}, "a number past 64 bits: 100000000000000000000"),
+        # the library's own words were "Failed to generate regex for float range"
+        (
+            {"type": "number", "maximum": 1e20},
+            "past what a grammar holds (about 9.2e18 either way): maximum 1e20",
+        ),
         ({"type": "number", "maximum": float("inf")}, "'maximum' is not a finite number"),
         ({"type": "number", "maximum": float("nan")}, "'maximum' is not a finite number"),
         ({"not": {"type": "string"}}, 'keywords a grammar cannot hold: ["not"]'),
@@ -2838,6 +2879,31 @@ def test_a_models_own_chat_template_that_is_not_jinja_is_set_aside_at_load(
     )
     with pytest.raises(BadRequest, match="own chat template is not valid Jinja"):
         check_chat_template(served)
+
+
+def test_a_named_chat_template_that_is_not_jinja_is_set_aside_at_load(tiny_model, tmp_path, caplog):
+    """A "tool_use" template beside the default one, not Jinja, was never looked at: every
+    chat with tools was refused 422 as if its messages were at fault. It is set aside,
+    said at start, and the default one renders those chats (tools described as where a
+    template reads none)."""
+    import shutil
+
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model("chat"), folder)
+    (folder / "additional_chat_templates").mkdir()
+    broken = "{% for m in messages %}TOOLUSE {{ m.content }{% endfor %}"
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(broken)
+    with caplog.at_level(logging.WARNING, logger="rawserve.worker"):
+        runner = CausalLMRunner(str(folder), "cpu", torch.float32)
+    assert "the model's chat template 'tool_use' is not valid Jinja: " in caplog.text
+    assert runner.details["chat_template"] and not runner.details.get("chat_template_invalid")
+    chat = {"messages": [{"role": "user", "content": "what time is it"}], "tools": [TOOL]}
+    text = runner.chat.prompt_text(chat)
+    assert "<s>user\nwhat time is it" in text and "get_time" in text and "TOOLUSE" not in text
 
 
 def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role(tiny_model):

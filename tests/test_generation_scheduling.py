@@ -580,6 +580,33 @@ def test_a_template_that_may_drop_a_message_is_counted_no_turn(tiny_model, templ
     assert runner.details["chat_message_tokens"] == 0
 
 
+# tool answers in a row written in one turn, as Qwen's templates write them
+GROUPED_TOOLS = (
+    "{% for m in messages %}{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<s>tool\n{% endif %}"
+    "{{ m.content }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}</s>\n{% endif %}"
+    "{% else %}<s>{{ m.role }}\n{{ m.content }}</s>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_groups_a_run_of_tool_answers_is_counted_as_it_writes_them(tiny_model):
+    """A second tool answer adds no turn of its own here: counted at a turn each, a chat
+    of 60 empty answers (83 tokens) was refused as longer than the model's 255."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, chat_template=GROUPED_TOOLS)
+    chat = [{"role": "user", "content": ""}] + [
+        {"role": "tool", "content": "", "tool_call_id": "c"} for _ in range(60)
+    ]
+    written = len(runner.chat.plain_ids(chat))
+    counted = runner.details["chat_message_tokens"] * len(chat)
+    assert counted <= written
+
+
 # a template that keeps the last four messages (Phi-3's and others' windows), and one that
 # writes no system message (Phi-3-mini's first): a tester's, each refused a chat it fitted
 LAST_FOUR = "{% for m in messages[-4:] %}<s>{{ m['content'] }}</s>{% endfor %}"

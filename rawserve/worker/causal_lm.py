@@ -47,6 +47,7 @@ from rawserve.worker.chat_controls import can_sanitize
 from rawserve.worker.chat_rendering import (
     ChatRenderer,
     check_template,
+    set_aside_named_faults,
     template_fault,
     template_reads,
 )
@@ -273,6 +274,13 @@ class CausalLMRunner(Runner):
             )
             self.template_fault = fault
             tokenizer.chat_template = None
+        for name, fault in set_aside_named_faults(tokenizer).items():
+            log.warning(
+                "the model's chat template %r is not valid Jinja: %s; set aside (its default "
+                "one renders the chats it would have)",
+                name,
+                fault,
+            )
         self.chat = ChatRenderer(tokenizer)
         if tokenizer.chat_template:
             can_sanitize(tokenizer)

@@ -65,17 +65,37 @@ def nine_characters(call_id: str) -> str:
     return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
-def template_fault(tokenizer: Any) -> str:
-    """What makes the tokenizer's chat template not Jinja ("": nothing), found by rendering
-    a one-message chat. (Rendering compiles the whole template; only a syntax error is the
-    template's own fault: what it does with a chat is for each request.)"""
+def template_fault(tokenizer: Any, name: str | None = None) -> str:
+    """What makes the tokenizer's chat template (of several, the one `name`d) not Jinja
+    ("": nothing), found by rendering a one-message chat. (Rendering compiles the whole
+    template; only a syntax error is the template's own fault: what it does with a chat
+    is for each request.)"""
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        chat = [{"role": "user", "content": "hi"}]
+        tokenizer.apply_chat_template(chat, tokenize=False, chat_template=name)
     except jinja2.TemplateSyntaxError as exc:
         return f"{exc} (line {exc.lineno})"
     except Exception:  # noqa: BLE001 - a chat's own failure, not the template's
         pass
     return ""
+
+
+def set_aside_named_faults(tokenizer: Any) -> dict[str, str]:
+    """Of a model's several named chat templates, each besides the default that is not
+    Jinja, taken out (its fault by its name): a "tool_use" one rendered every chat with
+    tools, each refused 422 as if its messages were at fault, and nothing said at start.
+    The default one renders those chats, as where a model has no other."""
+    templates = tokenizer.chat_template
+    if not isinstance(templates, dict):
+        return {}
+    faults = {
+        name: fault
+        for name in templates
+        if name != "default" and (fault := template_fault(tokenizer, name))
+    }
+    kept = {name: template for name, template in templates.items() if name not in faults}
+    tokenizer.chat_template = kept.get("default") if list(kept) == ["default"] else kept
+    return faults
 
 
 def template_reads(tokenizer: Any, name: str) -> bool:

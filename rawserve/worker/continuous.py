@@ -877,14 +877,18 @@ class ContinuousBatcher:
                 generation.logprobs.append(logprobs[index])
                 if generation.top_n and top is not None:
                     generation.top = top[index][: generation.top_n]
+            made = len(generation.tokens)
             if ends:
                 generation.finish_reason = "eos_token"
-            elif stop_in_piece(
-                text,
-                counted_text(pieces, len(generation.tokens), generation.stops_after),
-                generation.stop,
+            elif kept := pieces_through_stop(
+                text, pieces, made, generation.stops_after, generation.stop
             ):
                 generation.finish_reason = "stop_sequence"
+                if past := len(pieces) - kept:
+                    pieces = pieces[:kept]
+                    del generation.tokens[-past:]
+                    if generation.logprobs is not None:
+                        del generation.logprobs[-past:]
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
             if self.on_token is not None:  # told once it is known whether the token ends it
@@ -919,6 +923,27 @@ def like_lengths(prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
             groups.append([prompt])
             tokens = len(prompt)
     return groups
+
+
+def pieces_through_stop(
+    text: str, pieces: Sequence[str], made: int, stops_after: int, stops: Sequence[str]
+) -> int:
+    """How many of `pieces` (the texts the last of `made` tokens let out, at the end of
+    `text`) run through the first stop sequence to end in them; 0 where none ends. A run
+    of byte tokens is let out at once, as it ends, so a stop may end in one of its first
+    tokens: those let out after that one are no part of the answer (TGI stops at the
+    token a stop ends in; they were listed, streamed and counted)."""
+    counted = counted_text(pieces, made, stops_after)
+    through = stop_in_piece(text, counted, stops)
+    if not through:
+        return 0
+    end = sum(map(len, pieces)) - len(counted) + through  # (in the pieces' text)
+    reached = 0
+    for kept, piece in enumerate(pieces, 1):
+        reached += len(piece)
+        if reached >= end:
+            return kept
+    return len(pieces)
 
 
 def stop_in_piece(text: str, piece: str, stops: Sequence[str]) -> int:

@@ -20,11 +20,11 @@ import torch
 import transformers
 
 from rawserve.tasks.text_generation import stop_tail
-from rawserve.worker.continuous import stop_in_piece
+from rawserve.worker.continuous import pieces_through_stop
 from rawserve.worker.grammars import Held, constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
-from rawserve.worker.text_pieces import HeldTokens, TextPieces, alternative_text, counted_text
+from rawserve.worker.text_pieces import HeldTokens, TextPieces, alternative_text
 from rawserve.worker.watermark import mark
 
 log = logging.getLogger("rawserve.generation")
@@ -196,12 +196,14 @@ class TokenWatcher(transformers.StoppingCriteria):
             piece = "".join(pieces)
             text = self.tails[row] + piece
             self.tails[row] = stop_tail(text, self.stop)
+            made = len(self.token_ids[row])
             if ends:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
-            elif stop_in_piece(
-                text, counted_text(pieces, len(self.token_ids[row]), self.stops_after), self.stop
-            ):
+            elif kept := pieces_through_stop(text, pieces, made, self.stops_after, self.stop):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
+                if past := len(pieces) - kept:  # (tokens after the one the stop ends in)
+                    pieces = pieces[:kept]
+                    del self.token_ids[row][-past:]
             if listed:
                 logprob = chosen[row] if chosen is not None else 0.0
                 token = tgi_token(

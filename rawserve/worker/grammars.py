@@ -109,7 +109,25 @@ FAULT_WORDS = (
         re.compile(r"Value is not JSON serializable: (\S+)"),
         r"the schema holds a number past 64 bits: \1",
     ),
+    # a number's bound is written out as digits, which the library does in 64 bits
+    (
+        re.compile(r"Failed to generate regex for float range: min=(\S+), max=(\S+)"),
+        lambda found: (
+            "a number's bound is past what a grammar holds (about 9.2e18 either "
+            f"way): {bounds_said(found[1], found[2])}"
+        ),
+    ),
 )
+
+
+def bounds_said(least: str, most: str) -> str:
+    """llguidance's `Some(-1e308)`, `None` of a float range as the schema's keywords."""
+    said = [
+        f"{name} {bound[5:-1]}"
+        for name, bound in (("minimum", least), ("maximum", most))
+        if bound.startswith("Some(")
+    ]
+    return ", ".join(said)
 
 
 # the resources rawserve gives a tool's parameters and a response_format beside tools, as a

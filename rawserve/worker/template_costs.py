@@ -48,13 +48,15 @@ def message_tokens(prompt_ids: Callable[[list[dict[str, Any]]], list[int]]) -> i
     of a default one (Qwen2.5's), so costs less. A role the template refuses in every
     place measured is left out (its chats are refused by the template), 0 where none
     renders. A template that adds the same turn to each message costs each that much
-    wherever it stands."""
+    wherever it stands; one that groups a run of messages of a role (Qwen's, of tool
+    answers) costs the second of the run less than the first, measured too (counted at
+    a turn each, 60 tool answers of 83 tokens were refused as longer than 255)."""
     user = {"role": "user", "content": ""}
     after_answer = [user, {"role": "assistant", "content": ""}]
     costs = []
     for role in MEASURED_ROLES:
         message = probe_message(role, "")
-        for before in ([user], after_answer):
+        for before in ([user], after_answer, [user, message], [*after_answer, message]):
             try:
                 costs.append(len(prompt_ids([*before, message])) - len(prompt_ids(before)))
             except ValueError:  # the template refuses that role there
