@@ -111,6 +111,19 @@ def test_llguidances_own_options_in_a_schema_are_an_annotation():
     assert "not" in refusal({"type": "json", "value": lenient})
 
 
+def test_an_annotations_value_past_64_bits_is_no_fault():
+    """`default` and `examples` hold any JSON, which llguidance was given and could not
+    take: a tool's `"default": 10**29` refused its whole chat request, tool_choice "auto"."""
+    big = 123456789012345678901234567890
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "default": big}}}
+    annotated = {**schema, "examples": [{"a": big}], "required": ["a"]}
+    assert holds({"type": "json", "value": annotated}, '{"a": 7}')
+    assert not holds({"type": "json", "value": annotated}, '{"a": "7"}')
+    # a constraint past 64 bits is still said, as one
+    bounded = {"type": "integer", "maximum": big}
+    assert "past 64 bits" in refusal({"type": "json", "value": bounded})
+
+
 @pytest.mark.parametrize(
     ("pattern", "taken", "refused"),
     [

@@ -35,10 +35,13 @@ KEYWORDS = frozenset(
         *("const", "multipleOf", "maximum", "exclusiveMaximum", "minimum"),
         *("exclusiveMinimum", "maxLength", "minLength", "pattern", "maxItems", "minItems"),
         *("uniqueItems", "maxContains", "minContains", "maxProperties", "minProperties"),
-        *("required", "dependentRequired", "title", "description", "default", "readOnly"),
-        *("writeOnly", "examples", "format", "contentEncoding", "contentMediaType"),
+        *("required", "dependentRequired", "title", "description", "readOnly"),
+        *("writeOnly", "format", "contentEncoding", "contentMediaType"),
     }
 )
+# (`default` and `examples`, which llguidance names too, are annotations dropped: a value
+# in them, any JSON, can be one it cannot take, an integer past 64 bits, and a tool's
+# `default` refused the whole request even with tool_choice "auto")
 # the keywords whose value is a count: an integer, which JSON may write as 1.0
 COUNTS = frozenset(
     {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"}
