@@ -8,10 +8,12 @@ import os
 import tempfile
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rawserve.serving.pool import WorkerPool
+from rawserve.serving.refusals import Reason, Refused
 from rawserve.serving.status import WorkerState
 from rawserve.shared.messages import NO_CONTROL, BatchResult, FailureKind, ItemFailure, WorkerConfig
 from rawserve.shared.pipes import FIRST_BUFFER, KEEP_BUFFER, MessageReader, MessageWriter
@@ -173,6 +175,40 @@ async def test_a_worker_whose_message_the_server_cannot_hold_is_restarted_its_an
         "bytes; restarting it"
     )
     assert line.exc_info is None
+
+
+class UnpicklablePipe:
+    """A pipe whose send fails as pickling does, before a byte is written."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def send(self, message) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (RecursionError("maximum recursion depth exceeded while pickling"), Reason.MODEL_FAILED),
+        (MemoryError(), Reason.OUT_OF_MEMORY),
+    ],
+)
+async def test_a_batch_that_cannot_be_pickled_is_refused_and_its_worker_left_free(error, reason):
+    """A batch whose pickling failed (a RecursionError: an input nested a thousand deep)
+    was left the worker's job: the worker looked busy until --batch-timeout killed it as
+    hung, and the batch, sent again after the restart, failed again, every time."""
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], loop=asyncio.get_running_loop())
+    worker = pool.workers[0]
+    worker.state, worker.conn = WorkerState.IDLE, UnpicklablePipe(error)
+    answered = pool.submit(["a"], {}, NO_CONTROL)
+    with pytest.raises(Refused) as refused:
+        await answered
+    assert refused.value.refusal.reason is reason
+    assert worker.job is None and worker.state is WorkerState.IDLE and not pool._retries
+    worker.conn = Pipe()  # the next batch is sent as any other
+    pool.submit(["b"], {}, NO_CONTROL)
+    assert worker.job is not None and worker.job.inputs == ("b",)
 
 
 def test_nothing_to_read_is_not_the_end():

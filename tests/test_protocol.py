@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rawserve.api.bodies import MAX_JSON_DEPTH, nested_deeper_than, read_json, request_timeout
+from rawserve.api.bodies import MAX_JSON_DEPTH, read_json, request_timeout
 from rawserve.http import refusals, response_head
 from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import CHUNKS_AS_SENT, MIN_CHUNK_BYTES, ChunkedMeter
@@ -70,6 +70,7 @@ from rawserve.protocol import (
     ProtocolSettings,
     ServerState,
 )
+from rawserve.shared.json_text import nested_deeper_than
 from rawserve.shared.logs import REQUEST_ID
 from tests.fake_transport import (
     FakeApp,

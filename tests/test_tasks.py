@@ -774,6 +774,8 @@ def test_a_json_grammar_written_as_a_text_holds_no_nan():
         ('{"const": NaN}', "its text holds NaN: NaN and Infinity are not JSON numbers"),
         ('{"enum": [Infinity, 1]}', "its text holds Infinity"),
         ('{"maximum": 1e400}', "its text holds a number past a float's range: 1e400"),
+        # (read 300 deep, it could not be pickled to the worker: a 500)
+        ('{"not":' * 300 + "{}" + "}" * 300, "its text is nested more than 64 levels deep"),
     ):
         grammar = {"type": "json_object", "value": text}
         with pytest.raises(BadRequest, match=f"takes a JSON schema.*{re.escape(said)}"):

@@ -11,9 +11,7 @@ import asyncio
 import codecs
 import json
 import re
-from array import array
 from collections.abc import Callable, Iterable, Sequence
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -45,7 +43,7 @@ LARGE_ANSWER_ENTRIES = 4_000
 # Numbers of a vector that weigh as much as one such entry: orjson writes 2 million
 # float32 in about 57 ms, a thirtieth of what shaping and encoding as many entries takes.
 NUMBERS_PER_ENTRY = 25
-MAX_JSON_DEPTH = 64  # levels of nested arrays and objects in a request body
+MAX_JSON_DEPTH = json_text.MAX_DEPTH  # levels of nested arrays and objects in a request body
 TOO_DEEP = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
 
 
@@ -80,9 +78,7 @@ def read_json(request: HttpRequest) -> Any:
     utf8 = encoding.startswith("utf-8")
     if not utf8:  # scanned as the UTF-8 it reads as (a raw surrogate too: always checked)
         body = body.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nested_deeper_than(
-        body, MAX_JSON_DEPTH
-    ):
+    if json_text.nested_deeper_than(body, MAX_JSON_DEPTH):
         raise MalformedRequest(TOO_DEEP)
     written = b"\\ud" in body or b"\\uD" in body or _RAW_SURROGATE.search(body)
     if (not utf8 or written) and holds_lone_surrogate(document):
@@ -90,38 +86,8 @@ def read_json(request: HttpRequest) -> Any:
     return document
 
 
-_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
-_AS_SQUARE = bytes.maketrans(b"{}", b"[]")  # valid JSON nests them properly: one kind will do
-_AS_STEPS = bytes.maketrans(b"[]", b"\x01\xff")  # +1 and -1, as signed bytes
-QUICK_PASSES = 4
 # a surrogate's UTF-8 bytes, which no valid UTF-8 holds (json.loads takes them)
 _RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
-
-
-def nested_deeper_than(body: bytes, limit: int) -> bool:
-    """Whether the valid JSON `body` nests arrays and objects more than `limit` levels
-    deep, read from its brackets outside strings, in C: a few passes of `bytes.replace`
-    each take the innermost level away (pairs one makes are not matched in it), which
-    ends a flood of shallow lists at once; what is left is measured in one pass, each
-    bracket a step up or down (63 passes over 7,900 lists 63 deep took 130 ms)."""
-    brackets = outside_strings(body).translate(_AS_SQUARE, _NOT_BRACKETS)
-    quick = min(limit, QUICK_PASSES)
-    for _ in range(quick):
-        if not brackets:
-            return False
-        brackets = brackets.replace(b"[]", b"")
-    if not brackets or quick == limit:
-        return bool(brackets)
-    return max(accumulate(array("b", brackets.translate(_AS_STEPS)))) > limit - quick
-
-
-def outside_strings(body: bytes) -> bytes:
-    """The valid JSON `body` less its strings, in C: escaped backslashes and quotes go
-    (backslashes pair from the left, as JSON reads them), and every other part between
-    the quotes left is a string. A regular expression matching the strings held the
-    loop 0.2-0.3 s on a 1 KB gzipped body of escapes or of empty strings."""
-    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    return b"".join(unescaped.split(b'"')[::2])
 
 
 def holds_lone_surrogate(document: Any) -> bool:

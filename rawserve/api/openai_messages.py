@@ -159,10 +159,14 @@ def template_call(call: Any) -> dict[str, Any]:
             'each tool call must be {"id", "type": "function", "function": {"name", '
             '"arguments": a text of JSON}}'
         )
-    try:  # none written (a call of a function without parameters) are none, as vLLM reads them
-        arguments = json_text.loads(function["arguments"]) if function["arguments"].strip() else {}
+    # none written (a call of a function without parameters) are none, as vLLM reads them;
+    # a text that is no JSON, or nests past a body's levels, is given as it is (an
+    # object 500 deep could not be pickled to the worker)
+    written = function["arguments"]
+    try:
+        arguments = json_text.loads(written, deepest=json_text.MAX_DEPTH) if written.strip() else {}
     except (ValueError, RecursionError):  # (a text nested past the parser's limit)
-        arguments = function["arguments"]
+        arguments = written
     entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if isinstance(call.get("id"), str):
         entry["id"] = call["id"]

@@ -50,7 +50,7 @@ from rawserve.serving.processes import (
     start_process,
     take_exit_code,
 )
-from rawserve.serving.refusals import Reason, Refused, out_of_memory, shutting_down
+from rawserve.serving.refusals import Reason, Refused, out_of_memory, shutting_down, unsendable
 from rawserve.serving.reports import PoolReports
 from rawserve.serving.status import WorkerState
 from rawserve.serving.streams import TokenStreams
@@ -539,23 +539,29 @@ class WorkerPool(PoolReports):
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
             log.warning("worker %s: could not send a batch: %s", worker.label, exc)
         except MemoryError:  # pickling comes first: nothing reached the worker
-            self._take_back(worker, job, state)
+            log.error("worker %s: no memory to send it a batch of %d: refused",
+                      worker.label, len(job.inputs))  # fmt: skip
+            self._take_back(worker, job, state, out_of_memory())
+        except Exception as exc:  # noqa: BLE001 - its pickling failed: nothing reached it
+            log.error("worker %s: could not send it a batch of %d: refused", worker.label,
+                      len(job.inputs), exc_info=exc)  # fmt: skip
+            self._take_back(worker, job, state, unsendable())
 
-    def _take_back(self, worker: WorkerHandle, job: Job, state: WorkerState) -> None:
-        """A batch the server had no memory to write to its worker: refused (503), and the
-        worker left as it was, where it looked busy with nothing to do until --batch-timeout
-        killed it as hung."""
-        log.error(
-            "worker %s: no memory to send it a batch of %d: refused", worker.label, len(job.inputs)
-        )
+    def _take_back(
+        self, worker: WorkerHandle, job: Job, state: WorkerState, error: Refused
+    ) -> None:
+        """A batch the server could not write to its worker (no memory, or an input nested
+        past what pickling takes): refused, and the worker left as it was, where it looked
+        busy with nothing to do until --batch-timeout killed it as hung (and a retry of it
+        after the restart failed again, and again)."""
         if worker.queued is job:
-            self._take_queued(worker, error=out_of_memory())
+            self._take_queued(worker, error=error)
             return
         if worker.job is job:
-            self._take_job(worker, error=out_of_memory())
+            self._take_job(worker, error=error)
         else:  # a continuous worker's
             worker.running.pop(job.batch_id)
-            self._detach(job, out_of_memory())
+            self._detach(job, error)
         worker.state = state
 
     def _threads_for(self, worker: WorkerHandle, size: int) -> int | None:

@@ -89,6 +89,14 @@ def out_of_memory() -> Refused:
     return Refused.because(Reason.OUT_OF_MEMORY, "the server is out of memory: try again later")
 
 
+def unsendable() -> Refused:
+    """A request the server could not hand its worker (its pickling failed): a fault of
+    the server's, as the API sides bound what a body may hold before it gets here."""
+    return Refused.because(
+        Reason.MODEL_FAILED, "the server could not hand this request to its model worker"
+    )
+
+
 def model_failed() -> Refused:
     return Refused.because(
         Reason.MODEL_FAILED, "the model worker failed while computing this request"

@@ -310,15 +310,25 @@ def grammar(value: Any) -> dict[str, Any]:
     if kind in ("json", "json_object"):  # (TGI's alias, which InferenceClient sends)
         if isinstance(given, str):
             try:
-                given = json_text.loads(given)
-            except json_text.NotJsonNumber as exc:  # (said: the refusal's cause, too)
-                raise ValueError(f"{TAKES_A_SCHEMA}, and its text holds {exc}") from exc
+                given = json_text.loads(given, deepest=json_text.MAX_DEPTH)
+            except (json_text.NotJsonNumber, json_text.TooDeep) as exc:  # (the cause, too)
+                raise ValueError(f"{TAKES_A_SCHEMA}{text_fault(exc)}") from exc
             except (ValueError, RecursionError):  # (a text nested past the parser's limit)
                 given = None
         if not isinstance(given, dict):
             raise ValueError(TAKES_A_SCHEMA)
         return {"type": "json", "value": given}
     raise ValueError('type must be "json", "json_object", "json_schema" or "regex"')
+
+
+def text_fault(exc: BaseException | None) -> str:
+    """What a schema given as a text was refused for, where its reading said: a number
+    no JSON has, or a nesting deeper than a body's ("" for bad syntax)."""
+    if isinstance(exc, json_text.NotJsonNumber):
+        return f", and its text holds {exc}"
+    if isinstance(exc, json_text.TooDeep):
+        return f", and its text is {exc}"
+    return ""
 
 
 # TGI's frequency penalty, as the worker knows it: each token's share of the sequence so
