@@ -284,6 +284,23 @@ def test_chat_messages_keep_text_only():
         messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}])
 
 
+@pytest.mark.parametrize("depth", [65, 500, 2000])
+def test_a_calls_arguments_nested_past_a_bodys_levels_are_given_as_written(depth):
+    """Arguments 500 deep (5 KB) were read into an object that pickling to the worker
+    could not take: a 500, and the worker killed as hung, again and again, every client
+    refused meanwhile. Past a body's 64 levels they are the text, as past the parser's."""
+    import pickle
+
+    written = '{"a":' * depth + "1" + "}" * depth
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": written}}
+    (sent,) = messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert sent["tool_calls"][0]["function"]["arguments"] == written
+    pickle.dumps(sent)
+    shallow = {**call, "function": {"name": "f", "arguments": '{"a":' * 63 + "1" + "}" * 63}}
+    (sent,) = messages([{"role": "assistant", "content": None, "tool_calls": [shallow]}])
+    assert isinstance(sent["tool_calls"][0]["function"]["arguments"], dict)
+
+
 HELLO = {"role": "user", "content": "hi"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
@@ -2399,6 +2416,13 @@ def test_structured_outputs_takes_its_other_kinds_given_as_false():
     for option, value in (("backend", 5), ("disable_any_whitespace", "yes")):
         with pytest.raises(BadRequest, match=f'"s.{option}" must be'):
             read_structured_outputs("s", {"json": {}, option: value}, None)
+    # 0 was read as absent (0 == False) where 1 was refused; a false backend was taken
+    for option, value in (("backend", False), ("disable_fallback", 0), ("disable_fallback", 1)):
+        with pytest.raises(BadRequest, match=f'"s.{option}" must be'):
+            read_structured_outputs("s", {"json": {}, option: value}, None)
+    for asked in ({"json": {}, "choice": 0}, {"json_object": 1}):
+        with pytest.raises(BadRequest):
+            read_structured_outputs("s", asked, None)
 
 
 def test_metadata_takes_keys_and_values_at_openais_bounds():

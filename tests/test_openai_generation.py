@@ -846,6 +846,19 @@ def test_what_responses_does_not_serve_is_400_naming_its_field(servers, extra, p
     assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
 
 
+def test_a_response_past_the_positions_names_no_field_the_route_refuses(servers):
+    """The 422 told a Response to send "truncate_prompt_tokens", which /v1/responses
+    refuses (400, an unknown field)."""
+    document = {"input": "hello " * 400, "max_output_tokens": 2}
+    status, body = servers["chat"].post_json(document, "/v1/responses")
+    assert status == 422 and body["error"]["code"] == "context_length_exceeded", body
+    assert "truncate_prompt_tokens" not in body["error"]["message"]
+    status, body = servers["chat"].post_json(
+        {**document, "truncate_prompt_tokens": 10}, "/v1/responses"
+    )
+    assert status == 400 and "truncate_prompt_tokens" in body["error"]["message"], body
+
+
 def test_a_verbosity_other_than_the_default_is_400_saying_which_are_taken(servers):
     document = {"input": "hi", "max_output_tokens": 2, "text": {"verbosity": "low"}}
     status, body = servers["chat"].post_json(document, "/v1/responses")
@@ -1164,6 +1177,15 @@ def test_vllms_truncate_prompt_tokens_reads_a_prompts_last_tokens(servers):
         status, body = server.post_json(document, "/v1/chat/completions")
         assert status == 400 and said in body["error"]["message"], body
         assert body["error"]["param"] == "truncate_prompt_tokens"
+    # a prompt only scored takes no new token: every position is the prompt's (-1 read
+    # 255 of a 256-token prompt that fits, dropping its first token's log probability)
+    ids = [5 + index % 40 for index in range(256)]
+    scored = {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 0}
+    for keep in (-1, 256):
+        document = {**scored, "truncate_prompt_tokens": keep}
+        status, body = server.post_json(document, "/v1/completions")
+        assert status == 200 and body["usage"]["prompt_tokens"] == 256, body
+        assert len(body["choices"][0]["logprobs"]["tokens"]) == 256
 
 
 def test_vllms_structured_outputs_hold_the_answer_as_its_guided_fields_did(servers):

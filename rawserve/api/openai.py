@@ -67,6 +67,7 @@ from rawserve.api.prompts import (
     CHAT_LISTED_BYTES,
     CUT_WITH_TRUNCATE_PROMPT_TOKENS,
     LISTED_BYTES,
+    UNCUT,
     check_echo_size,
     check_generated_size,
     check_lengths,
@@ -234,6 +235,7 @@ async def check_prompt_room(
     generation: GenerationRequest,
     chat: bool,
     scored: bool,
+    remedy: str = CUT_WITH_TRUNCATE_PROMPT_TOKENS,
 ) -> None:
     """`check_lengths` for the prompts, counted once for the new tokens asked at the least:
     422 for a prompt past the positions, and 400 naming min_tokens where a prompt surely
@@ -244,7 +246,6 @@ async def check_prompt_room(
     least = int(generation.params.get("min_new_tokens") or 0)
     # (vLLM's truncate_prompt_tokens, read as TGI's truncate: `prompt_cut`)
     cut = generation.params.get("truncate")
-    remedy = CUT_WITH_TRUNCATE_PROMPT_TOKENS
     if scored or least <= 1:
         await check_lengths(
             tokenizers, model, generation.items, chat, scored, truncate=cut, remedy=remedy
@@ -486,9 +487,11 @@ class OpenAIRoutes:
         check_token_ids(generation, loaded.details.get("vocabulary") if loaded else None)
         most = self.context.settings.max_client_batch_size
         check_choices(generation, most, model.serving.most_admitted)
-        prompt_cut(generation, model.positions)
         scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
-        await check_prompt_room(self.context.tokenizers, model, generation, chat, scored)
+        prompt_cut(generation, model.positions, scored)
+        # (a Response takes no truncate_prompt_tokens: its refusal said to send one)
+        remedy = UNCUT if isinstance(shape, ResponseAnswer) else CUT_WITH_TRUNCATE_PROMPT_TOKENS
+        await check_prompt_room(self.context.tokenizers, model, generation, chat, scored, remedy)
         largest = self.context.settings.max_answer_bytes
         generated = 0  # the bytes the new tokens' log probabilities may take
         # (a chat's stream lists them as they go; a Response's ends with events that each

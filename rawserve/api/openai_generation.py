@@ -65,7 +65,6 @@ from rawserve.http.errors import (
     PayloadTooLarge,
     UnprocessableInput,
 )
-from rawserve.shared import json_text
 from rawserve.tasks import (
     CHAT_PARAM,
     BlankInput,
@@ -252,19 +251,22 @@ def generation_params(
     )
 
 
-def prompt_cut(generation: GenerationRequest, positions: int) -> None:
+def prompt_cut(generation: GenerationRequest, positions: int, scored: bool) -> None:
     """vLLM's `truncate_prompt_tokens` as TGI's `truncate`, the last tokens of a prompt a
-    worker reads: -1, as many as the model reads of one and a new token; 400 for more."""
+    worker reads: -1, as many as the model reads of one and a new token (of one only
+    `scored`, which takes no new token, every position); 400 for more."""
     keep = generation.params.get("truncate")
     if keep is None or positions < 1:
         return
-    most = positions - max(1, int(generation.params.get("min_new_tokens") or 0))
+    room = 0 if scored else max(1, int(generation.params.get("min_new_tokens") or 0))
+    most = positions - room
     if keep == -1:
         generation.params["truncate"] = max(most, 1)
     elif keep > most:
+        why = f"its {positions} positions" + (", less room for the new tokens" if room else "")
         raise BadRequest(
             f'"{TRUNCATE_PROMPT_TOKENS}" is {keep}, and this model reads at most {most} '
-            f"tokens of a prompt (its {positions} positions, less room for the new tokens)",
+            f"tokens of a prompt ({why})",
             param=TRUNCATE_PROMPT_TOKENS,
         )
 
@@ -440,8 +442,7 @@ def read_guided_json(name: str, value: Any, context: DocContext | None) -> dict[
     try:
         return text_generation.grammar({"type": "json", "value": value})
     except ValueError as exc:
-        held = exc.__cause__  # (NaN, 1e400 in a text of one: said)
-        why = f", and its text holds {held}" if isinstance(held, json_text.NotJsonNumber) else ""
+        why = text_generation.text_fault(exc.__cause__)  # (NaN, 1e400 in a text of one)
         raise BadRequest(
             f'"{name}" must be a JSON schema: an object, or a text of one{why}'
         ) from None
@@ -475,7 +476,13 @@ def read_structured_outputs(name: str, value: Any, context: DocContext | None) -
     that change nothing here taken, any other named)."""
     readers = {"json": read_guided_json, "regex": read_guided_regex, "choice": read_guided_choice}
     asked = value if isinstance(value, dict) else {}
-    asked = {key: given for key, given in asked.items() if given not in (None, False)}
+    # (false is a kind not asked, or an option's value; `is`: 0 is no false here, nor 1
+    # a true, as elsewhere in a body)
+    asked = {
+        key: given
+        for key, given in asked.items()
+        if given is not None and (given is not False or key in STRUCTURED_OPTIONS)
+    }
     unheld = sorted(set(asked) - STRUCTURED_OPTIONS - {*readers, "json_object"})
     if unheld:
         raise BadRequest(
@@ -489,7 +496,7 @@ def read_structured_outputs(name: str, value: Any, context: DocContext | None) -
                 f'"{name}.{option}" must be {"a text" if kind is str else "true or false"}'
             )
     asked = {key: given for key, given in asked.items() if key not in STRUCTURED_OPTIONS}
-    if asked == {"json_object": True}:
+    if len(asked) == 1 and asked.get("json_object") is True:
         return {"type": "json", "value": {"type": "object"}}
     if len(asked) != 1 or next(iter(asked)) not in readers:
         raise BadRequest(
