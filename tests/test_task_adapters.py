@@ -670,12 +670,22 @@ def test_sentence_models_cut_and_lowercase_texts_as_sentence_bert_config_says(ti
     tokenizer = json.loads(tokenizer_file.read_text())
     tokenizer["normalizer"]["lowercase"] = False
     tokenizer_file.write_text(json.dumps(tokenizer))
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["do_lower_case"] = False  # (else transformers lowercases in the tokenizer)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
     serving = sentence_runner(folder)
     assert serving.details["max_input_length"] == 5
     [long] = serving.run(["hello world is good and bad"], {}, EMBEDDING_ROUTE)
     assert long["tokens"] == 5
     [upper, lower] = serving.run(["HELLO World", "hello world"], {})
     np.testing.assert_allclose(upper, lower, atol=1e-6)
+    # the server's tokenizer (/tokenize, its counts) lowercases too: it listed a cased
+    # text's own ids ([UNK]s), not those the model read
+    import tokenizers
+
+    served = tokenizers.Tokenizer.from_str(serving.tokenizer_json())
+    assert served.encode("HELLO World").ids == served.encode("hello world").ids
+    assert served.encode("HELLO World").offsets == served.encode("hello world").offsets
 
 
 def left_padded(tiny_model, tmp_path, kind="text-generation"):
@@ -1105,6 +1115,12 @@ def test_seq2seq_batches_answer_what_single_calls_answer(runner):
     ("params", "says"),
     [
         ({"num_return_sequences": 3, "num_beams": 2}, "more answers than num_beams 2 keeps"),
+        # beam sampling keeps num_beams too: the advice was do_sample, refused again in
+        # generate()'s own words
+        (
+            {"num_return_sequences": 3, "num_beams": 2, "do_sample": True},
+            "set do_sample true and num_beams 1",
+        ),
         ({"max_length": 1}, "max_length 1 holds only the decoder's start token"),
         # generate() ignored the least, and a 200 answered what was not asked for
         ({"min_new_tokens": 50, "max_new_tokens": 3}, "min_new_tokens 50 asks for more new"),
@@ -1880,6 +1896,42 @@ def test_a_huge_image_is_shrunk_to_several_times_any_models_input_before_it_is_p
     decoded = decode_image(encoded_image(size, fmt), squashed)
     assert (decoded.size, decoded.mode) == (kept, "RGB")
     assert decoded.getpixel((0, 0)) == pytest.approx((200, 40, 40), abs=3)
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "I;16"])
+def test_a_huge_grey_image_is_shrunk_before_it_is_made_rgb_to_the_same_pixels(mode, monkeypatch):
+    """A grey image was made RGB at full size, then shrunk: a 170 KB 16-bit PNG of
+    4095x21850 took the worker 0.86 GB (0.43 GB now). Shrunk first, each pixel is the
+    same (within a level: Pillow's means round)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from rawserve.worker.images import decode_image
+
+    size = (4200, 4300)
+    gradient = np.add.outer(np.arange(size[1]), np.arange(size[0])) % 509
+    if mode == "I;16":
+        source = Image.fromarray((gradient * 128).astype(np.uint16))
+        expected = Image.fromarray(np.round(gradient * 128 / 257).astype(np.uint8))
+    else:
+        source = Image.fromarray((gradient % 256).astype(np.uint8)).convert(mode)
+        expected = source
+    written = io.BytesIO()
+    source.save(written, "PNG")
+    assert Image.open(io.BytesIO(written.getvalue())).mode == mode  # (what is tested)
+    read_so_far = np.asarray(expected.convert("RGB").reduce((2, 2)), dtype=int)
+    made, convert = [], Image.Image.convert
+    monkeypatch.setattr(
+        Image.Image,
+        "convert",
+        lambda i, m=None, *a, **k: made.append((m, i.size)) or convert(i, m, *a, **k),
+    )
+    decoded = decode_image(base64.b64encode(written.getvalue()).decode())
+    assert ("RGB", size) not in made, made  # (three bytes a pixel, at full size)
+    assert decoded.size == (2100, 2150) and decoded.mode == "RGB"
+    assert np.abs(np.asarray(decoded, dtype=int) - read_so_far).max() <= 1
 
 
 def test_a_long_image_is_read_the_same_shrunk_where_the_processor_keeps_its_shape(

@@ -5,6 +5,7 @@ Worker process only (imports torch and transformers).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,20 @@ class EncoderRunner(Runner):
     @property
     def limits(self) -> ModelLimits:
         return ModelLimits(max_input_tokens=self.max_length)  # truncated unless asked not to
+
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer the server counts and lists tokens with, lowercasing first where
+        sentence-transformers' `do_lower_case` has the worker do so (/tokenize listed a
+        cased text's own ids, which were not those the model read)."""
+        written = super().tokenizer_json()
+        if written is None or not self.lowercase:
+            return written
+        tokenizer = json.loads(written)
+        normalizers = [{"type": "Lowercase"}]
+        if tokenizer.get("normalizer") is not None:
+            normalizers.append(tokenizer["normalizer"])
+        tokenizer["normalizer"] = {"type": "Sequence", "normalizers": normalizers}
+        return json.dumps(tokenizer)
 
     @property
     def details(self) -> dict[str, Any]:

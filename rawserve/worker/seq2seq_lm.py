@@ -347,10 +347,12 @@ def settled(
     greedy_at_zero_temperature(options)
     at_least_the_least_temperature(options)
     answers, beams = options.get("num_return_sequences") or 1, options.get("num_beams") or 1
-    if answers > beams and not options.get("do_sample"):
+    # (beam sampling keeps num_beams answers too: only a sample of one beam draws more)
+    if answers > beams and (beams > 1 or not options.get("do_sample")):
         raise ValueError(
             f"num_return_sequences {answers} asks for more answers than num_beams {beams} "
-            "keeps: ask for at most num_beams, or set do_sample to draw them"
+            "keeps: ask for at most num_beams, or set do_sample true and num_beams 1 to "
+            "draw them"
         )
     if caller.get("max_length") == 1 and caller.get("max_new_tokens") is None:
         raise ValueError(
