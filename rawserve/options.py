@@ -40,7 +40,6 @@ from rawserve.shared import installed
 from rawserve.shared.devices import CoreCount, core_count, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS, without_credentials
 from rawserve.shared.messages import Engine
-from rawserve.tasks.registry import TASKS
 
 # Batch limits by device. A CPU's cost grows with the items, and 32 keeps a batch's time
 # short; a GPU's throughput doubles from 64 to 256 items (an H100, BERT-base: the issue's
@@ -485,11 +484,8 @@ def sagemaker_model(
         )
     else:
         return
+    # (a task not served is refused where --task's is: an ERROR line and exit code 1)
     task = TASK_ALIASES.get(named["task"], named["task"])
-    if task and task not in TASKS:
-        parser.error(
-            f"HF_TASK={named['task']!r} is not a task served (the tasks: {', '.join(TASKS)})"
-        )
     if task and not args.task and variable_value("RAWSERVE_TASK") is None:
         args.task = task
     hub_id = not is_folder(args.model[0])  # (a folder has no revisions)

@@ -112,6 +112,12 @@ def test_a_chats_tools_are_listed_as_a_chat_completion_tells_them(servers):
     status, tgi = server.post_json(document, "/chat_tokenize")
     assert status == 200, tgi
     assert "Tools you may call" in tgi["templated_text"] and '"weather"' in tgi["templated_text"]
+    # the fields that change that description are read as the chat completion reads them
+    # (they were ignored: 185 counted where the chat completion's prompt was 159)
+    for changed in ({"tool_choice": "none"}, {"parallel_tool_calls": False}):
+        status, listed = server.post_json({**document, **changed}, "/tokenize")
+        assert status == 200, listed
+        assert listed["count"] == prompt_tokens(server, {**document, **changed})
 
 
 def test_tgis_chat_tokenize_is_the_templated_text_and_its_tokens_byte_offsets(servers, tokenizer):

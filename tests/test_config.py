@@ -949,7 +949,6 @@ def test_sagemaker_s_serve_finds_the_model_as_hugging_face_s_images_do(monkeypat
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"HF_MODEL_ID": "org/name", "HF_TASK": "bogus"}, "HF_TASK='bogus' is not a task served"),
         # a tarball whose model is a folder inside: the default model answered for it
         ({}, "holds files but no model at its top (its config.json)"),
     ],
@@ -969,6 +968,19 @@ def test_sagemaker_s_model_that_cannot_be_served_stops_serve_saying_why(
     with pytest.raises(SystemExit):
         sagemaker_model(args, argparse.ArgumentParser(prog="rawserve"), tmp_path)
     assert message in capsys.readouterr().err
+
+
+def test_sagemaker_s_task_not_served_is_refused_where_a_task_option_is(monkeypatch, tmp_path):
+    """HF_TASK stands in for --task: one not served was argparse's exit 2 where --task's
+    and RAWSERVE_TASK's are an ERROR line and exit 1, as README says (a probe keyed on
+    the exit code saw two answers to one mistake)."""
+    from rawserve.options import sagemaker_model
+
+    monkeypatch.setenv("HF_MODEL_ID", "org/name")
+    monkeypatch.setenv("HF_TASK", "bogus")
+    args = argparse.Namespace(model=None, revision=None, task=None, handler=None)
+    sagemaker_model(args, argparse.ArgumentParser(prog="rawserve"), tmp_path)
+    assert args.task == "bogus"  # (what --task bogus gives the model's folder to refuse)
 
 
 def test_sagemaker_s_task_without_a_model_stops_serve_not_serving_the_default(

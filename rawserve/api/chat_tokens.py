@@ -47,13 +47,22 @@ CHAT_TOKENIZER: Needs = replace(
 )
 # the most tokens a chat's listing lists (as vLLM's prompt form and TEI's one text)
 MAX_CHAT_TOKENS = 32768
-# what of vLLM's chat form of /tokenize is the chat, read as a chat completion reads it
+# what of vLLM's chat form of /tokenize is the chat, read as a chat completion reads it:
+# vLLM's, and the fields that change the prompt rawserve renders (its description of the
+# tools follows tool_choice, parallel_tool_calls and tool_prompt; they were ignored here,
+# and the count was not the chat completion's)
 VLLM_CHAT_FIELDS = (
     "messages",
     "tools",
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
+    "tool_choice",
+    "parallel_tool_calls",
+    "tool_prompt",
+    "functions",
+    "function_call",
+    "reasoning_effort",
 )
 # a chat listed: rendered and tokenized, nothing run (the details carry its ids)
 LISTING = {
