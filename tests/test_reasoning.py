@@ -506,6 +506,36 @@ def test_a_call_or_words_are_read_from_the_answer_after_its_thinking(logprobs):
     assert not any(delta.get("content") or "tool_calls" in delta for delta in said)
 
 
+def test_words_cut_at_a_stop_list_their_tokens_past_a_thinking_that_quotes_their_opening():
+    """The tokens listed of words a stop cut were counted from the first `{"content": "`
+    in the text, one the thinking quoted: they ended inside the thinking, whole and
+    streamed, the answer's tokens left out."""
+    from rawserve.api.openai_tools import Tools
+    from tests.test_openai_tools import WEATHER
+
+    texts = ["<think>", 'I say {"content": "', 'abSTOP', '"} or', "</think>"]
+    texts += ['{"content": "', "ab", "STOP", " more", '"}']
+    stream = Stream(texts)
+    listed = stream.output()
+    listed["details"]["tokens"] = stream.tokens
+
+    def answer() -> Answer:
+        return Answer(True, "m", 0, tools=Tools([WEATHER], "auto"), thinking=OPENED_IN_ANSWER)
+
+    [whole] = answer().whole([listed], ["STOP"])["choices"]
+    assert whole["message"]["content"] == "ab" and whole["finish_reason"] == "stop"
+    kept = [token["token"] for token in whole["logprobs"]["content"]]
+    assert kept == texts[:7]  # through the words' own "ab"
+    chunks = streamed(answer(), Stream(texts), ["STOP"])
+    sent = [
+        token["token"]
+        for chunk in chunks
+        for choice in chunk.get("choices", [])
+        for token in ((choice.get("logprobs") or {}).get("content") or [])
+    ]
+    assert sent == kept
+
+
 def said_apart(thought: str) -> dict:
     return {REASONING: thought, "reasoning": thought}
 

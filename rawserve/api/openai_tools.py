@@ -591,8 +591,11 @@ class StreamedWords:
 
 def words_end(raw: str, length: int) -> int | None:
     """Where in `raw`, an answer held to tools (a reasoning model's thinking before it,
-    perhaps), the first `length` characters of its words end; None where it holds none."""
-    start = raw.find(WORDS_OPENING)
+    perhaps), the first `length` characters of its words end; None where it holds none.
+    The words open at the last `WORDS_OPENING`: a thinking may quote one (the first was
+    taken, and the tokens listed ended inside the thinking), and none follows the words'
+    own, in which a quote is escaped."""
+    start = raw.rfind(WORDS_OPENING)
     if start < 0:
         return None
     at = start + len(WORDS_OPENING)
