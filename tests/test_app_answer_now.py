@@ -200,7 +200,9 @@ async def test_routes_whose_body_names_the_model_are_refused_from_the_head_when_
     assert dict(refused.headers)["Retry-After"]
     assert app.answer_now(predict) is None  # the classifier's queue has room
     fill(classifier)
-    assert tei_refusal(app, predict)[:2] == (503, "Overloaded")
+    assert app.answer_now(predict) is None  # (of several served, the body says which)
+    refused = await app.handle(predict)
+    assert refused.status == 503 and json.loads(refused.body)["error_type"] == "Overloaded"
     # /tokenize runs in the server: never refused for a full queue
     assert app.answer_now(request("POST", "/tokenize", b'{"inputs": "hi"}')) is None
     # a route no served model fits is a 404 whatever its body: refused from the head
@@ -280,6 +282,15 @@ async def test_a_refusal_is_counted_once_against_the_model_the_request_is_for():
     refused = await app.handle(for_spare)
     assert refused.status == 503 and json.loads(refused.body)["error_type"] == "Overloaded"
     assert (drops["embedder"].reasons, drops["spare"].reasons) == ([], ["rejected"])
+    # a name not served is 404, where the one model that fits the route is full or
+    # restarting too (its 503 answered a typo, counted against it)
+    reader = served("reader", "text-classification")
+    app = App(ServedModels([embedder, reader]))
+    for body in (b'{"inputs": "hi", "model": "nope"}', b'{"inputs": "hi", "model": "reader"}'):
+        typo = request("POST", "/embed", body)
+        assert app.answer_now(typo) is None
+        assert (await app.handle(typo)).status == 404
+    assert drops["embedder"].reasons == []
     # where one model fits the route, from the head, counted once against it
     alone = served("alone", "feature-extraction")
     alone.serving.queue.metrics = counted = Drops()

@@ -321,16 +321,18 @@ class InferenceRoutes:
 
     def refuse_now_if_none_can(self, request: HttpRequest, needs: Needs) -> None:
         """For a route whose body names the model (OpenAI, TEI, TGI): raise the 503 of
-        the one model that fits the route when it cannot take work now, or the 404 when
-        none fits it at all, without reading the body. Where several fit, the body says
-        which: its refusal (`model_for`) comes before it is checked or tokenized, and is
-        counted for that model (one from the head was counted for the first of them)."""
+        the one model served when it cannot take work now, or the 404 when none fits the
+        route at all, without reading the body. Of several served, the body says which:
+        its refusal (`model_for`) comes before it is checked or tokenized, and is counted
+        for that model (one from the head was counted for the first of them), and a name
+        not served is a 404 whatever the others' states (where one fitted the route, its
+        503 answered a typo, a refusal that clients and proxies retry)."""
         models = self.context.models.all
         fitting = [model for model in models if needs.missing(model) is None]
         if not fitting:  # every body gets the route's 404 (what each serves): from the head
             self.context.model_for(None, needs)  # (raises it)
             return
-        if len(fitting) == 1:
+        if len(models) == 1:
             self.refuse_now(request, fitting[0])
 
     async def infer(self, request: HttpRequest) -> HttpResponse:
