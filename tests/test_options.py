@@ -117,6 +117,7 @@ def test_an_empty_entry_in_the_model_list_is_refused_as_an_empty_flag_is(
     ("named", "says"),
     [
         ("bad alias=some/model", "'bad alias' is not a model alias"),
+        ("_x=some/model", "'-', a letter or digit first, at most 96 of them"),
         ("shout=", "the model alias 'shout' names no folder or Hub id"),
         (":fill-mask", "a model name has an alias or a task but no folder or Hub id"),
         ("some/model@", "ends with '@' but names no revision"),

@@ -97,7 +97,8 @@ def parse_model_spec(text: str) -> ModelSpec:
         alias, text = head, rest
     elif equals and "/" not in head:
         raise ModelNameError(
-            f"{head!r} is not a model alias: use letters, digits, '.', '_' and '-'"
+            f"{head!r} is not a model alias: use letters, digits, '.', '_' and '-', "
+            "a letter or digit first, at most 96 of them"
         )
     if not text:
         raise ModelNameError(f"the model alias {alias!r} names no folder or Hub id")
