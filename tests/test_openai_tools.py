@@ -263,6 +263,18 @@ def test_calls_cut_by_max_tokens_are_read_back_as_far_as_they_came():
     older = Tools([WEATHER], "auto", older=True).message('{"name": "weather", "arguments": ')
     called = {"name": "weather", "arguments": ""}
     assert older == ({"role": "assistant", "content": None, "function_call": called}, None)
+    # a later call cut before its name is read as a first one is: the one function it
+    # can be (it was dropped); the white space a call's arguments were cut after kept
+    one = Tools([WEATHER], "required", parallel=True)
+    whole = '[{"name": "weather", "arguments": {}}, '
+    for later in ('{"name": ', '{"name": "'):
+        message, _ = one.message(whole + later)
+        assert [call["function"] for call in message["tool_calls"]] == [
+            {"name": "weather", "arguments": "{}"},
+            {"name": "weather", "arguments": ""},
+        ]
+    message, _ = one.message('{"name": "weather", "arguments": {"city": ')
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": '
 
 
 @pytest.mark.parametrize("older", [False, True])

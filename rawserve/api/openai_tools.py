@@ -240,8 +240,9 @@ def cut_calls(text: str, names: Sequence[str]) -> list[dict[str, str]] | None:
     """The calls of an answer cut short: each whole one, then the one it was cut in, with
     its arguments as far as they came (none where its name did not come whole and could
     be more than one of `names`, those it may call); None where the answer is no call
-    (words). Read in the grammar's layout (`", "`, `": "`)."""
-    body = text.strip()
+    (words). Read in the grammar's layout (`", "`, `": "`); the white space it was cut
+    after kept (arguments "as far as they came")."""
+    body = text.lstrip()
     listed = body.startswith("[")
     rest = body[1:].lstrip() if listed else body
     if not listed and not rest.startswith(CALL_OPENING):
@@ -270,7 +271,7 @@ def cut_call(text: str, names: Sequence[str]) -> dict[str, str] | None:
     named = CUT_CALL.match(text)
     if named is None:
         begun = CUT_NAME.match(text)
-        could_be = [name for name in names if begun and name.startswith(begun[1])]
+        could_be = [name for name in names if begun and name.startswith(begun[1] or "")]
         return {"name": could_be[0], "arguments": ""} if len(could_be) == 1 else None
     name, after = json.loads(f'"{named[1]}"'), named[2]
     if (given := CUT_ARGUMENTS.match(after)) is not None:
@@ -542,8 +543,8 @@ FORMATTED_OPENING = '{"content": '
 CALL_OPENING = '{"name": '
 # a call cut in its arguments: its name whole, its arguments as far as they came
 CUT_CALL = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)"(.*)\Z', re.DOTALL)
-# a call cut in its name (OpenAI's names need no escapes)
-CUT_NAME = re.compile(r'\{"name": "([a-zA-Z0-9_-]*)\Z')
+# a call cut in its name, or before it (OpenAI's names need no escapes)
+CUT_NAME = re.compile(r'\{"name": ?(?:"([a-zA-Z0-9_-]*))?\Z')
 CUT_ARGUMENTS = re.compile(r', "arguments":\s?(.*)\Z', re.DOTALL)
 ARGUMENTS_KEY = ', "arguments": '
 
