@@ -513,7 +513,7 @@ def test_words_cut_at_a_stop_list_their_tokens_past_a_thinking_that_quotes_their
     from rawserve.api.openai_tools import Tools
     from tests.test_openai_tools import WEATHER
 
-    texts = ["<think>", 'I say {"content": "', 'abSTOP', '"} or', "</think>"]
+    texts = ["<think>", 'I say {"content": "', "abSTOP", '"} or', "</think>"]
     texts += ['{"content": "', "ab", "STOP", " more", '"}']
     stream = Stream(texts)
     listed = stream.output()
