@@ -1774,7 +1774,8 @@ def test_an_exif_block_that_cannot_be_read_leaves_the_picture_as_stored(runner, 
 
 
 @pytest.mark.parametrize(("grey", "read"), [(0, 0), (200, 1), (32768, 128), (65535, 255)])
-def test_a_16_bit_grey_image_is_read_at_8_bits_not_clipped(grey, read):
+@pytest.mark.parametrize("order", ["I;16", "I;16B"])  # (a big-endian TIFF's, "MM")
+def test_a_16_bit_grey_image_is_read_at_8_bits_not_clipped(grey, read, order):
     """A 16-bit grey PNG was clipped at 255 on its way to RGB: mid grey read as white,
     and 200 of 65535 (nearly black) as nearly white (the pipeline does so too)."""
     import io
@@ -1785,8 +1786,12 @@ def test_a_16_bit_grey_image_is_read_at_8_bits_not_clipped(grey, read):
     from rawserve.worker.images import decode_image
 
     written = io.BytesIO()
-    Image.fromarray(np.full((8, 8), grey, dtype=np.uint16)).save(written, "PNG")
-    assert Image.open(io.BytesIO(written.getvalue())).mode == "I;16"  # (what is tested)
+    if order == "I;16":
+        Image.fromarray(np.full((8, 8), grey, dtype=np.uint16)).save(written, "PNG")
+    else:
+        levels = np.full((8, 8), grey, dtype=">u2").tobytes()
+        Image.frombytes(order, (8, 8), levels).save(written, "TIFF")
+    assert Image.open(io.BytesIO(written.getvalue())).mode == order  # (what is tested)
     image = decode_image(base64.b64encode(written.getvalue()).decode())
     assert image.mode == "RGB" and image.getpixel((0, 0)) == (read, read, read)
 

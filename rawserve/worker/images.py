@@ -103,7 +103,10 @@ def eight_bit_grey(image: Any) -> Any:
     it), rounded at 2 bytes a pixel (by way of 32-bit levels it took twice the memory).
     16-bit colour is read at 8 bits by Pillow."""
     if image.mode in SIXTEEN_BIT_GREY:  # (its levels stay "I;16" until then)
-        return image.point(lambda value: value * (1 / 257) + 0.5).convert("L")
+        # (Pillow's point takes "I;16" and "I" alone: a big-endian TIFF's "I;16B" was
+        # refused as no image)
+        levels = image if image.mode == "I;16" else image.convert("I")
+        return levels.point(lambda value: value * (1 / 257) + 0.5).convert("L")
     return image.convert("L") if image.mode == "1" else image
 
 
