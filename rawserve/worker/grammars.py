@@ -109,22 +109,25 @@ FAULT_WORDS = (
         re.compile(r"Value is not JSON serializable: (\S+)"),
         r"the schema holds a number past 64 bits: \1",
     ),
-    # a number's bound is written out as digits, which the library does in 64 bits
+    # a number's bounds are written out as a regular expression of its digits, which
+    # the library makes in 64 bits, and not of every range within them (an integer's
+    # minimum of 1e18 is refused, its maximum not)
     (
-        re.compile(r"Failed to generate regex for float range: min=(\S+), max=(\S+)"),
+        re.compile(r"Failed to generate regex for (?:float|integer) range: min=(\S+), max=(\S+)"),
         lambda found: (
-            "a number's bound is past what a grammar holds (about 9.2e18 either "
-            f"way): {bounds_said(found[1], found[2])}"
+            "a number's bounds are more than a grammar can hold ("
+            f"{bounds_said(found[1], found[2])}): bound it nearer 0, or leave the bound out"
         ),
     ),
 )
 
 
 def bounds_said(least: str, most: str) -> str:
-    """llguidance's `Some(-1e308)`, `None` of a float range as the schema's keywords."""
+    """llguidance's `Some(-1e308)`, `None` of a range as its bounds (an exclusive one is
+    said as the library holds it; an integer's past 64 bits as the most it holds)."""
     said = [
         f"{name} {bound[5:-1]}"
-        for name, bound in (("minimum", least), ("maximum", most))
+        for name, bound in (("lower bound", least), ("upper bound", most))
         if bound.startswith("Some(")
     ]
     return ", ".join(said)
