@@ -89,8 +89,11 @@ async def test_a_full_queue_is_overloaded_and_a_stopping_server_unhealthy():
     app = App(served_models)
     queue = served_models.get("emb").serving.queue
     assert isinstance(queue, AnsweringQueue)
-    queue.full = True  # refused as the head is read, before the body is asked for
-    refusal = app.answer_now(post("/embed", {"inputs": "hello"}))
+    queue.full = True  # (of several models, refused once the body says which)
+    status, body, headers = await answer(app, post("/embed", {"inputs": "hello"}))
+    assert (status, body["error_type"]) == (503, "Overloaded") and "Retry-After" in headers
+    alone = App(ServedModels([served_models.get("emb")]))
+    refusal = alone.answer_now(post("/embed", {"inputs": "hello"}))  # as the head is read
     assert refusal is not None and refusal.status == 503
     assert json.loads(refusal.body)["error_type"] == "Overloaded"
     assert "Retry-After" in dict(refusal.headers)
