@@ -267,12 +267,17 @@ def test_calls_cut_by_max_tokens_are_read_back_as_far_as_they_came():
     # can be (it was dropped); the white space a call's arguments were cut after kept
     one = Tools([WEATHER], "required", parallel=True)
     whole = '[{"name": "weather", "arguments": {}}, '
-    for later in ('{"name": ', '{"name": "'):
+    for later in ("", "{", '{"', '{"name"', '{"name":', '{"name": ', '{"name": "'):
         message, _ = one.message(whole + later)
         assert [call["function"] for call in message["tool_calls"]] == [
             {"name": "weather", "arguments": "{}"},
             {"name": "weather", "arguments": ""},
         ]
+    # (a whole call cut before its comma or its list's end is all there is)
+    message, _ = one.message(whole.removesuffix(", "))
+    assert [call["function"] for call in message["tool_calls"]] == [
+        {"name": "weather", "arguments": "{}"}
+    ]
     message, _ = one.message('{"name": "weather", "arguments": {"city": ')
     assert message["tool_calls"][0]["function"]["arguments"] == '{"city": '
 

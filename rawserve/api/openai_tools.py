@@ -250,6 +250,7 @@ def cut_calls(text: str, names: Sequence[str]) -> list[dict[str, str]] | None:
         return [] if CALL_OPENING.startswith(rest) else None
     decoder = json.JSONDecoder(parse_float=WrittenNumber, parse_int=WrittenNumber)
     calls: list[dict[str, str]] = []
+    another = False  # (a comma after a whole call: another call follows)
     while rest.startswith(CALL_OPENING):
         try:
             call, end = decoder.raw_decode(rest)
@@ -258,10 +259,14 @@ def cut_calls(text: str, names: Sequence[str]) -> list[dict[str, str]] | None:
         except ValueError:  # the call it was cut in
             if (cut := cut_call(rest, names)) is not None:
                 calls.append(cut)
-            break
+            return calls
         calls.append({"name": call["name"], "arguments": as_written(call.get("arguments"))})
-        rest = rest[end:].lstrip().removeprefix(",").lstrip()
-    return calls
+        after = rest[end:].lstrip()
+        another, rest = after.startswith(","), after.removeprefix(",").lstrip()
+    # cut before a later call's name (`, {"`): the one function it can be, as a first
+    # call cut so is (`cut_message`)
+    cut = cut_call(CALL_OPENING, names) if another and CALL_OPENING.startswith(rest) else None
+    return calls if cut is None else [*calls, cut]
 
 
 def cut_call(text: str, names: Sequence[str]) -> dict[str, str] | None:
