@@ -235,14 +235,14 @@ async def check_prompt_room(
     generation: GenerationRequest,
     chat: bool,
     scored: bool,
-    remedy: str = CUT_WITH_TRUNCATE_PROMPT_TOKENS,
+    remedy: str,
 ) -> None:
     """`check_lengths` for the prompts, counted once for the new tokens asked at the least:
     422 for a prompt past the positions, and 400 naming min_tokens where a prompt surely
     leaves less room than it asks, found here before anything is queued or streamed (the
     worker's exact count refuses the rest, a chat's template included: `name_field`);
     streamed, a later prompt's refusal came as an error event in another shape than the
-    whole answer's 400."""
+    whole answer's 400. A refusal ends with `remedy`, what the route takes to cut one."""
     least = int(generation.params.get("min_new_tokens") or 0)
     # (vLLM's truncate_prompt_tokens, read as TGI's truncate: `prompt_cut`)
     cut = generation.params.get("truncate")
