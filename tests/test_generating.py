@@ -296,6 +296,61 @@ def test_a_stop_that_ends_inside_a_run_of_byte_tokens_ends_the_answer_at_its_tok
     assert stopped >= 6  # (most ran on past the stop: each byte token "!" or "@")
 
 
+@pytest.mark.parametrize(
+    ("pattern", "cap"),
+    [
+        ("xüö", 20),  # the end of sequence ends the run: it was settled as "eos_token"
+        ("üö hello", 3),  # the cap ends it inside "ö": the whole run read as U+FFFDs
+    ],
+)
+def test_a_stop_inside_a_run_of_byte_tokens_is_found_however_the_run_ends(llama, pattern, cap):
+    """A stop ("ü") ending inside a run of byte tokens ends the answer at its token, as
+    TGI reads the text token by token, where the run ends with the end of sequence (it
+    went on past the stop to "xüö") or where the cap cuts a later character short (the
+    run, not UTF-8 as a whole, was U+FFFDs: "���", "length")."""
+    forced = {**GREEDY, "max_new_tokens": cap, "return_full_text": False}
+    params = {**forced, "grammar": {"type": "regex", "value": pattern}, "stop": ["ü"]}
+    [(_, got, _)] = as_the_static_path(llama, params, ["the movie"])
+    details = got[0]["details"]
+    answer = pattern[: pattern.index("ü") + 1]
+    assert got[0]["generated_text"] == answer and details["finish_reason"] == "stop_sequence"
+    texts = [token["text"] for token in details["tokens"]]
+    assert "".join(texts) == answer and texts[-1] == "ü"
+    assert details["generated_tokens"] == len(texts) == len(answer.encode())  # a byte a token
+
+
+def test_a_stop_is_not_found_in_the_replacement_characters_of_a_run_of_bytes(llama):
+    """A run of byte tokens that is not UTF-8 reads as a U+FFFD a byte, which no byte
+    alone stands for: a stop "\ufffd" found in them cut the tokens after its first,
+    whose byte alone read otherwise ("!"), so that the answer said "stop_sequence"
+    with a text that held no stop. As far as the run reads as UTF-8, a stop is found."""
+    from rawserve.worker.continuous import stopped_pieces
+    from rawserve.worker.text_pieces import TextPieces
+
+    bang, bad = llama.tokenizer.convert_tokens_to_ids(["<0x21>", "<0xF6>"])  # "!", no UTF-8
+    pieces = TextPieces(llama.tokenizer)
+    assert pieces.next_pieces([bang]) == [] and pieces.next_pieces([bang, bad]) == []
+    let_out = pieces.next_pieces([bang, bad, bad], last=True)
+    assert let_out == ["\ufffd"] * 3 and pieces.readable == ["!"]
+    assert stopped_pieces("", let_out, pieces.readable, 3, 1, ["\ufffd"]) is None
+    assert stopped_pieces("", let_out, pieces.readable, 3, 1, ["!"]) == ["!"]
+    assert stopped_pieces("", let_out, pieces.readable, 3, 1, ["\ufffd" * 3]) == let_out
+    # served: every answer a stop ends holds it, its tokens adding up to its text
+    params = {"max_new_tokens": 6, "do_sample": True, "temperature": 1.5, "details": True}
+    params |= {"return_full_text": False, "logit_bias": {str(bang): 20.0, str(bad): 20.0}}
+    params["stop"] = ["\ufffd"]
+    outputs = [static(llama, "the movie", {**params, "seed": seed})[0] for seed in range(6)]
+    batches = [Batch(seed, ("the movie",), {**params, "seed": seed}) for seed in range(6)]
+    answered = results(serve(llama, {0: batches}))
+    outputs += [answered[batch.batch_id].outputs[0][0] for batch in batches]
+    for output in outputs:
+        text, details = output["generated_text"], output["details"]
+        assert "".join(token["text"] for token in details["tokens"]) == text
+        if details["finish_reason"] == "stop_sequence":
+            assert text.endswith("\ufffd"), text
+    assert any("\ufffd" in output["generated_text"] for output in outputs)
+
+
 def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_lists_its_text_on_its_own_tokens(
     llama,
 ):

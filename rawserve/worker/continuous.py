@@ -870,25 +870,29 @@ class ContinuousBatcher:
             ends = token in self.eos_ids and not generation.ignore_eos
             last = ends or len(generation.tokens) >= generation.cap
             pieces = generation.pieces.next_pieces(generation.tokens, last)
-            piece = "".join(pieces)
-            text = generation.tail + piece
-            generation.tail = stop_tail(text, generation.stop)
+            before = generation.tail
+            generation.tail = stop_tail(before + "".join(pieces), generation.stop)
             if generation.logprobs is not None and logprobs is not None:
                 generation.logprobs.append(logprobs[index])
                 if generation.top_n and top is not None:
                     generation.top = top[index][: generation.top_n]
-            made = len(generation.tokens)
-            if ends:
-                generation.finish_reason = "eos_token"
-            elif kept := pieces_through_stop(
-                text, pieces, made, generation.stops_after, generation.stop
-            ):
+            stopped = stopped_pieces(
+                before,
+                pieces,
+                generation.pieces.readable,
+                len(generation.tokens),
+                generation.stops_after,
+                generation.stop,
+            )
+            if stopped is not None:  # (before an end of sequence that let out the run)
                 generation.finish_reason = "stop_sequence"
-                if past := len(pieces) - kept:
-                    pieces = pieces[:kept]
+                if past := len(pieces) - len(stopped):
                     del generation.tokens[-past:]
                     if generation.logprobs is not None:
                         del generation.logprobs[-past:]
+                pieces = stopped
+            elif ends:
+                generation.finish_reason = "eos_token"
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
             if self.on_token is not None:  # told once it is known whether the token ends it
@@ -923,6 +927,32 @@ def like_lengths(prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
             groups.append([prompt])
             tokens = len(prompt)
     return groups
+
+
+def stopped_pieces(
+    before: str,
+    pieces: Sequence[str],
+    readable: Sequence[str] | None,
+    made: int,
+    stops_after: int,
+    stops: Sequence[str],
+) -> list[str] | None:
+    """The texts of the tokens through the one the first stop sequence ends in, of
+    `pieces` (the texts the last of `made` tokens let out, after the text's end
+    `before`); None where none ends in them. Where they let out a run of byte tokens
+    that is not UTF-8 as a whole, a stop may end where it reads as UTF-8 (`readable`),
+    as TGI reads the text token by token: the run cut there is UTF-8, and its texts are
+    those. Its U+FFFDs stand for bytes that make no character: a stop that ends in
+    them before the last is not found (the run cut there would read otherwise)."""
+    first = made - len(pieces)  # (the tokens before them)
+    if readable is not None:
+        text = before + "".join(readable)
+        if kept := pieces_through_stop(text, readable, first + len(readable), stops_after, stops):
+            return list(readable[:kept])
+    kept = pieces_through_stop(before + "".join(pieces), pieces, made, stops_after, stops)
+    if not kept or readable is not None and kept < len(pieces):
+        return None
+    return list(pieces[:kept])
 
 
 def pieces_through_stop(

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from rawserve.tasks.text_generation import stop_tail
-from rawserve.worker.continuous import pieces_through_stop
+from rawserve.worker.continuous import stopped_pieces
 from rawserve.worker.grammars import Held, constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
@@ -193,17 +193,18 @@ class TokenWatcher(transformers.StoppingCriteria):
             ends = token_id in self.eos_ids
             last = ends or len(self.token_ids[row]) >= self.lengths[row]
             pieces = self.pieces[row].next_pieces(self.token_ids[row], last)
-            piece = "".join(pieces)
-            text = self.tails[row] + piece
-            self.tails[row] = stop_tail(text, self.stop)
+            before = self.tails[row]
+            self.tails[row] = stop_tail(before + "".join(pieces), self.stop)
             made = len(self.token_ids[row])
-            if ends:
-                self.done[row], self.finish_reasons[row] = True, "eos_token"
-            elif kept := pieces_through_stop(text, pieces, made, self.stops_after, self.stop):
+            readable = self.pieces[row].readable
+            stopped = stopped_pieces(before, pieces, readable, made, self.stops_after, self.stop)
+            if stopped is not None:  # (before an end of sequence that let out the run)
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
-                if past := len(pieces) - kept:  # (tokens after the one the stop ends in)
-                    pieces = pieces[:kept]
+                if past := len(pieces) - len(stopped):  # (tokens after the stop's)
                     del self.token_ids[row][-past:]
+                pieces = stopped
+            elif ends:
+                self.done[row], self.finish_reasons[row] = True, "eos_token"
             if listed:
                 logprob = chosen[row] if chosen is not None else 0.0
                 token = tgi_token(

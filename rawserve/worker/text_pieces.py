@@ -80,6 +80,11 @@ class TextPieces:
         # a clean-up's last step that gave out all it read: its window's first token, and
         # the window's raw text and text (`_settled_texts`)
         self.last_window: tuple[int, str, str] = (0, "", "")
+        # the texts the tokens last let out add as far as their run of byte tokens reads
+        # as UTF-8, where the whole run does not (`_shared_out`): a stop sequence ends in
+        # them as the text read token by token had it (TGI's), None where they are the
+        # pieces themselves
+        self.readable: list[str] | None = None
 
     def next_piece(self, ids: Sequence[int], last: bool = False) -> str:
         """The text that the newest of `ids` (the sequence's tokens so far) adds; `last`:
@@ -170,6 +175,7 @@ class TextPieces:
         own part of its run's text: the character its byte ends ("!" for <0x21>, "" for
         a character's first bytes) where the run is UTF-8, else a U+FFFD, as the decoder
         reads the run; a special token in the run adds ""."""
+        self.readable = None
         if self.cleans_up:
             return self._cleaned_pieces(ids, last)
         waiting = ids[self.let_out :]
@@ -244,6 +250,9 @@ class TextPieces:
         parts = iter(shares)
         texts = [next(parts) if i in self.byte_values else "" for i in tokens]
         texts[-1] += piece[len("".join(shares)) :]
+        if "\ufffd" in shares:  # (the token that ended the run, if not one, is not read)
+            in_run = tokens if tokens[-1] in self.byte_values else tokens[:-1]
+            self.readable = readable_texts(in_run, self.byte_values)
         return texts
 
 
@@ -281,6 +290,24 @@ def run_texts(run: bytes) -> list[str]:
         return ["\ufffd"] * len(run)
     decoder = codecs.getincrementaldecoder("utf-8")()
     return [decoder.decode(bytes([byte])) for byte in run]
+
+
+def readable_texts(tokens: Sequence[int], byte_values: dict[int, int]) -> list[str]:
+    """The texts of `tokens`, a run of byte tokens (and the special tokens in it) that is
+    not UTF-8 as a whole, as far as its bytes read as UTF-8 one by one: each character
+    at its last byte, up to the byte that cannot go on one (the bytes of a character cut
+    short at the run's end add "")."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    texts = []
+    for token in tokens:
+        if token not in byte_values:
+            texts.append("")
+            continue
+        try:
+            texts.append(decoder.decode(bytes([byte_values[token]])))
+        except UnicodeDecodeError:
+            break
+    return texts
 
 
 def text_before(tokenizer: Any, ids: Sequence[int], count: int, context: Sequence[int] = ()) -> str:
