@@ -158,6 +158,24 @@ def test_the_inference_route_is_described_for_the_models_task(servers):
     assert "text-classification" in json.dumps(classifier)
 
 
+def test_generates_body_takes_one_text_as_the_document_says(servers):
+    """TGI's /generate reads one prompt, as its own schema says: the document gave
+    `POST /`'s `inputs` (a text, or a list of up to 32), which the route refuses."""
+    from jsonschema import Draft202012Validator
+
+    server = servers["chat"]
+    for path in ("/generate", "/generate_stream"):
+        route = document(server)["paths"][path]["post"]
+        schema = Draft202012Validator(route["requestBody"]["content"]["application/json"]["schema"])
+        assert schema.is_valid({"inputs": "hello there"})
+        assert not schema.is_valid({"inputs": ["hello", "there"]})
+    status, body = server.post_json({"inputs": ["hello", "there"]}, "/generate")
+    assert status == 422 and body == {
+        "error": '"inputs" must be one text',
+        "error_type": "validation",
+    }
+
+
 def test_a_generations_details_are_as_the_document_says(servers):
     """/generate's details as they are answered fit the document's schema, each field
     described: it said a prompt token has `special` and a number for `logprob` (the

@@ -148,7 +148,9 @@ def generate_request(context: DocContext) -> Schema:
     """TGI's body: `POST /`'s for the text-generation task, one text as `inputs`, and the
     "model" field that picks one of several served models, as on the other API routes."""
     schema = inference_request(context)
-    return {**schema, "properties": {**schema["properties"], "model": MODEL.schema_in(context)}}
+    inputs = {"type": "string", "description": "the prompt: one text (a list is 422)"}
+    properties = {**schema["properties"], "inputs": inputs, "model": MODEL.schema_in(context)}
+    return {**schema, "properties": properties}
 
 
 class TgiRoutes:
