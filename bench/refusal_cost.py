@@ -95,6 +95,9 @@ class ReadyWorkers:
     def idle_workers(self) -> int:
         return 0
 
+    def empty_workers(self) -> int:
+        return 0
+
     limits = ModelLimits()
 
     def batch_cap(self) -> int | None:

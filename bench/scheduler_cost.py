@@ -44,6 +44,9 @@ class InstantWorkers:
     def idle_workers(self) -> int:
         return self.workers - self.busy
 
+    def empty_workers(self) -> int:
+        return 0  # (batches, not a continuous worker's rows)
+
     def batch_cap(self) -> int | None:
         return None
 

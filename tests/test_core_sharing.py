@@ -144,6 +144,20 @@ def test_a_continuous_worker_keeps_its_even_share_and_never_holds_the_cores():
     assert start(only, 0, size=1) == 4  # the only CPU worker: its share is every core
 
 
+def test_continuous_workers_running_no_sequence_are_counted_empty():
+    """What admission reads to take a sequence whatever its time: a worker with rows
+    and none running takes one now, alone; one running a row, or batches, is not."""
+    shared = executor()
+    for worker in shared.workers:
+        worker.sequences = 8
+    assert shared.empty_workers() == 2
+    shared.workers[0].running.rows = 1
+    assert shared.empty_workers() == 1 and shared.idle_workers() == 7 + 8
+    shared.workers[1].state = WorkerState.LOADING
+    assert shared.empty_workers() == 0
+    assert executor().empty_workers() == 0  # workers of batches
+
+
 def test_a_worker_not_ready_counts_as_its_peers_rows_once_all_are_ready():
     """What bounds a request for good: a worker restarting (or still loading) will take
     its rows again; live, it runs none (`concurrency` counts it one batch)."""

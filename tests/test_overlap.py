@@ -235,6 +235,9 @@ class OneWorker:
     def idle_workers(self) -> int:
         return 1
 
+    def empty_workers(self) -> int:
+        return 0
+
     def batch_cap(self) -> int | None:
         return None
 

@@ -1192,6 +1192,26 @@ def test_an_idle_continuous_worker_takes_a_generation_whatever_its_predicted_tim
     assert len(core) == prompts
 
 
+def test_a_worker_running_no_sequence_takes_a_generation_whatever_its_predicted_time():
+    """Two continuous workers, one running a sequence: the next one goes to the other,
+    which runs none, and runs alone there, as on an idle server: taken whatever its
+    predicted time (it may end early). Refused 503 by its own time, the other worker
+    idle; with a sequence queued to go first, or no worker empty, it still is."""
+    asks = {"max_new_tokens": 128}
+    core = rows_of(4)  # (two workers of two rows; more rows free would probe lengths)
+    own = core.pace.predict(128, 2)
+    run_sequences(core, 1, at=0.0)
+    with pytest.raises(OwnTimeUnreachable):  # no worker said to run none
+        queue_items(core, [text(12)], deadline=own / 2, params=asks)
+    core.empty_workers = 1
+    queue_items(core, [text(12)], deadline=own / 2, params=asks)
+    [taken] = next_batch(core, now=0.0)
+    assert taken.taken_whatever_its_time
+    queue_items(core, [text(12)], deadline=30.0, params=asks)  # queued: it goes first
+    with pytest.raises(OwnTimeUnreachable):
+        queue_items(core, [text(12)], deadline=own / 2, params=asks)
+
+
 def rows_of(rows: int) -> SchedulerCore:
     """A continuous worker's rows whose speed is measured: ~0.03 s a token, 0.1 s fixed
     (a 128-token answer after a 12-token prompt: 4.3 s)."""
@@ -2163,6 +2183,9 @@ class FakeBackend:
         idle = self.workers - sum(not f.done() for _, _, f in self.calls)
         self.free_looks += idle > 0  # the scheduler looked at the queue with a worker free
         return idle
+
+    def empty_workers(self) -> int:
+        return 0  # (its workers are rows of one pool: none is told apart as empty)
 
     def submit(self, inputs, params, control=NO_CONTROL, request_ids=(), admitted=(), on_part=None):
         future = asyncio.get_running_loop().create_future()

@@ -497,6 +497,9 @@ class PublishingBackend:
     def idle_workers(self) -> int:
         return self.backend.idle_workers()
 
+    def empty_workers(self) -> int:
+        return self.backend.empty_workers()
+
     def batch_cap(self) -> int | None:
         return self.backend.batch_cap()
 

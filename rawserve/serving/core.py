@@ -328,6 +328,9 @@ class SchedulerCore:
     # the rows (batches of one) the workers could still take after the driver's last
     # look had sent what it sends: none of a dead or restarting worker
     free_rows: int = 0
+    # of those workers, the ones that run no sequence (after the same look): a sequence
+    # sent now runs alone on one
+    empty_workers: int = 0
     cost_model: CostModel = field(default_factory=CostModel)
     # a continuous worker's sequences: the tokens they likely make, their seconds a token
     answer_lengths: AnswerLengths = field(default_factory=AnswerLengths)
@@ -751,10 +754,14 @@ class SchedulerCore:
     def _rows_busy(self, items: Sequence[WorkItem] = ()) -> bool:
         """Whether sequences on a continuous worker's rows may be refused for the wait for
         a row or their own time: not with nothing running or queued (no row shared: their
-        own time is no reason; they may end early), nor (`items`, being admitted) with only
+        own time is no reason; they may end early), nor with a worker running none and
+        nothing queued to go first (one sequence on one worker of two had the next refused
+        by its own time, the other worker idle), nor (`items`, being admitted) with only
         their own request's other sequences (its `n` choices, each admitted on its own:
         on an idle server the second was refused 503, busy, where n=1 was taken)."""
         if not (self._in_flight or self._size):
+            return False
+        if self.empty_workers and not self._size:  # (they go to it, alone)
             return False
         request = _request_of(items)
         return request is None or request != self._sole_request

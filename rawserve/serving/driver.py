@@ -65,6 +65,10 @@ class Backend(Protocol):
         """How many batches could start now."""
         ...
 
+    def empty_workers(self) -> int:
+        """How many continuous workers run no sequence and take one now."""
+        ...
+
     def batch_cap(self) -> int | None:
         """The most items a batch may carry now (lowered after out-of-memory errors)."""
         ...
@@ -355,6 +359,7 @@ class Scheduler:
             # that died since the last look has none, where a burst filled the queue
             # past --max-queue)
             self.core.free_rows = self.backend.idle_workers()
+            self.core.empty_workers = self.backend.empty_workers()
         try:
             self.core.admit(items, now)
         except NeverAdmissible as never:  # a 413, the client's to fix: no load was shed
@@ -515,6 +520,8 @@ class Scheduler:
         for batch in decision.batches:
             self._dispatch(batch, now)
         self.core.free_rows = self.backend.idle_workers()
+        continuous = self.core.max_size == 1 and self.core.free_rows
+        self.core.empty_workers = self.backend.empty_workers() if continuous else 0
         self._sleep_until(decision.wake_at)
 
     def _fail_queued(self) -> None:

@@ -233,6 +233,13 @@ class WorkerPool(PoolReports):
             return 0
         return sum(w.room() for w in self._unreserved())
 
+    def empty_workers(self) -> int:
+        """How many continuous workers run no sequence and take one now: a sequence sent
+        now runs alone on one (`submit` sends to an idle worker first)."""
+        if self._holding_cores() or self._retries_for_any():
+            return 0
+        return sum(1 for w in self._unreserved() if w.sequences and not w.running.rows and w.room())
+
     def _home(self, retry: Job) -> int | None:
         """The worker a retry waits for: the one it was lost with, while that one's
         restarts succeed; any (None) once one has failed, so that its retries do not wait
