@@ -11,7 +11,14 @@ import pytest
 
 from rawserve.api import streaming
 from rawserve.api.served import ServedModel
-from rawserve.api.streaming import STREAM_BUFFER_TOKENS, UNREAD_SECONDS, StreamEnd, TokenStream
+from rawserve.api.streaming import (
+    STREAM_BUFFER_TOKENS,
+    UNREAD_SECONDS,
+    StreamEnd,
+    TokenStream,
+    open_token_stream,
+)
+from rawserve.http.errors import GatewayTimeout
 from rawserve.serving.face import ItemResult, TokenChunk
 from rawserve.serving.service import ModelService
 from tests.test_streaming import FakeExecutor, FakeScheduler, open_stream
@@ -201,6 +208,37 @@ async def test_choices_that_all_overflow_are_told_once_for_their_stream(caplog):
     assert told_unread(caplog) == 1 and counted == [503]
     for choice in choices:
         choice.close()
+
+
+class MissesItsDeadline(FakeScheduler):
+    """Sends its tokens, then fails as a deadline ends a generation: a 504."""
+
+    async def run(self, inputs, params, deadline, control):
+        await super().run(inputs, params, deadline, control)
+        raise GatewayTimeout("deadline passed while generating")
+
+
+async def test_a_deadline_that_ends_an_unread_stream_is_told_as_it_passes(caplog):
+    """Its client reads nothing: the 504 was logged and counted only once the writer
+    reached its event behind the unread tokens (seconds late), and never where that
+    client then left (its access line a 200, nothing on /metrics). It is told as the
+    deadline ends the generation, and once, though its client reads the event later."""
+    executor = FakeExecutor()
+    scheduler = MissesItsDeadline(executor, [" a"] * 50, {"generated_text": "", "details": {}})
+    counted: list[int] = []
+    model = ServedModel(
+        "tiny-gpt", ModelService(scheduler, executor), count_stream_error=counted.append
+    )
+    with caplog.at_level("WARNING", logger="rawserve.api.streaming"):
+        response = await open_token_stream(model, "hello", {}, deadline=1e9)
+        for _ in range(100):  # the client reads nothing meanwhile
+            await asyncio.sleep(0)
+        assert counted == [504]
+        assert sum("error event: 504" in r.getMessage() for r in caplog.records) == 1
+        events = [json.loads(chunk.removeprefix(b"data:")) async for chunk in response.stream]
+    assert events[-1]["error_type"] == "timeout" and len(events) > 1  # (tokens before it)
+    assert counted == [504]  # not told again as its client reads it
+    assert sum("error event: 504" in r.getMessage() for r in caplog.records) == 1
 
 
 class OneFastChoice(FakeScheduler):

@@ -168,6 +168,7 @@ class TokenStream:
         self.run.add_done_callback(self._on_run_end)
         self.started = False  # `start()` has waited for the first token
         self.first: TokenChunk | None = None
+        self.sent = False  # its answer is an event stream (`sent_as_events`)
 
     def _on_run_end(self, run: Run) -> None:
         # `output()` reads a failure where the answer tells it; streams of one answer share
@@ -175,7 +176,25 @@ class TokenStream:
         # errors nobody retrieved
         if not run.cancelled():
             run.exception()
+            if self.sent:
+                self._tell_failure()
         self.queue.put_nowait(None)
+
+    def sent_as_events(self) -> None:
+        """Its answer is an event stream from now (its head says 200): a failure of its
+        run is its last event, told as it happens (`_tell_failure`)."""
+        self.sent = True
+        if self.run.done() and not self.run.cancelled():
+            self._tell_failure()
+
+    def _tell_failure(self) -> None:
+        """Log and count the run's error (a deadline's 504, a worker lost) as it happens,
+        not as the writer reaches its event behind the chunks a slow client has not
+        read: told then, a deadline passed seconds before was told late, and never where
+        that client left (neither logged nor on /metrics, its access line a 200)."""
+        error = self.run.exception()
+        if isinstance(error, HTTPError) and not self.overflowed:
+            self.ended_with(error)
 
     def on_token(self, chunk: TokenChunk) -> None:
         if self.overflowed:
@@ -424,6 +443,9 @@ def event_stream(
     def close() -> None:
         for stream in streams:
             stream.release()
+
+    for stream in streams:
+        stream.sent_as_events()
 
     def watched(taken: Callable[[], int]) -> None:
         for stream in streams:
