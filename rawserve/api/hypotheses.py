@@ -9,7 +9,7 @@ words that name the template and the label.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rawserve.api.served import ServedModel
@@ -22,11 +22,15 @@ SHOWN_CHARACTERS = 60  # of a hypothesis, in the refusal's words
 
 
 async def check_hypotheses(
-    tokenizers: ServerTokenizers, model: ServedModel, params: Mapping[str, Any]
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    texts: Sequence[Any],
+    params: Mapping[str, Any],
 ) -> None:
-    """422 where a label's hypothesis, with the pair's special tokens, is more than the
-    model's positions (no text can be read with it: the tokenizer refuses); nothing where the
-    model or its tokenizer is not known here (the worker refuses it)."""
+    """422 where a label's hypothesis, with the pair's special tokens, leaves no room for
+    a token of any of `texts` in the model's positions (none can be read with it: the
+    tokenizer refuses); nothing where the model or its tokenizer is not known here (the
+    worker refuses it)."""
     labels = params.get("candidate_labels")
     template = params.get("hypothesis_template", DEFAULT_TEMPLATE)
     window = model.positions
@@ -40,10 +44,12 @@ async def check_hypotheses(
     if tokenizer is None:
         return
     room = window - tokenizer.pair_special_tokens
+    # (a text that reads as no token, a lone combining accent, leaves the hypothesis all)
+    most = room - any(isinstance(t, str) and tokenizer.count_past(t, 1) for t in texts)
     for hypothesis in hypotheses:
-        if tokenizer.count_past(hypothesis, room) > room:  # (a text may be no token)
+        if tokenizer.count_past(hypothesis, room) > most:
             raise UnprocessableInput(
-                f"the hypothesis {shortened(hypothesis)!r} is longer than the {room} tokens "
+                f"the hypothesis {shortened(hypothesis)!r} is longer than the {most} tokens "
                 f"the model reads beside a text (of its {window}): no text fits with it: "
                 "send a shorter hypothesis_template or label",
                 param="hypothesis_template",

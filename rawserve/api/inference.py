@@ -382,7 +382,7 @@ class InferenceRoutes:
         elif task in WINDOWED_TASKS:
             await check_windows(self.context.tokenizers, model, parsed.inputs, parsed.params)
         elif task == "zero-shot-classification":
-            await check_hypotheses(self.context.tokenizers, model, parsed.params)
+            await check_hypotheses(self.context.tokenizers, model, parsed.inputs, parsed.params)
         deadline = self.context.deadline(request)
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive
