@@ -311,6 +311,21 @@ def test_token_ids_are_cut_on_the_side_asked_with_no_room_kept_for_special_token
         assert cut["data"][0]["embedding"] == pytest.approx(expected, abs=1e-5), side
 
 
+def test_an_embedding_cut_at_the_models_length_keeps_the_side_asked(server):
+    """With no `truncate_prompt_tokens` an embedding's input is cut at the model's length
+    all the same, on the side `truncation_side` asks: "left" kept the start, silently."""
+    got, text = {}, LONG + "paris is the capital of france"  # (its ends differ)
+    for side in ("left", "right"):
+        document = {"model": EMBEDDER, "input": text, "truncation_side": side}
+        status, cut = server.post_json(document, "/v1/embeddings")
+        assert status == 200, cut
+        asked = {**document, "truncate_prompt_tokens": -1}
+        status, expected = server.post_json(asked, "/v1/embeddings")
+        got[side] = cut["data"][0]["embedding"]
+        assert got[side] == pytest.approx(expected["data"][0]["embedding"], abs=1e-6), side
+    assert got["left"] != pytest.approx(got["right"], abs=1e-4)
+
+
 def test_the_document_says_what_each_route_does_with_a_long_input_not_cut(server):
     status, _, body = server.request("GET", "/openapi.json")
     paths = json.loads(body)["paths"]

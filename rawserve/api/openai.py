@@ -189,7 +189,7 @@ def parse_embeddings_request(
         params["dimensions"] = dimensions
     fields.value("model")
     fields.value("user")
-    params.update(asked_cut(context.model, fields) or {})
+    params.update(asked_cut(context.model, fields, cuts=True) or {})
     for index, one in enumerate(texts):  # as every route: blank text is well-formed, but
         where = item_name('"input"', index, len(texts))  # nothing to embed
         if one == []:

@@ -44,13 +44,15 @@ def cut_fields(absent: str) -> dict[str, Field]:
     }
 
 
-def asked_cut(model: ServedModel, fields: Fields) -> dict[str, Any] | None:
+def asked_cut(model: ServedModel, fields: Fields, cuts: bool = False) -> dict[str, Any] | None:
     """The worker's parameters of the cut a body asks (None: it asks none); 400 for more
-    than the model's length (0 is refused as it is read)."""
+    than the model's length (0 is refused as it is read). `cuts`: the route cuts an input
+    to the model's length where no `truncate_prompt_tokens` is given, on the side asked
+    (the embeddings: a left side was not kept)."""
     keep = fields.value(TRUNCATE_PROMPT_TOKENS)
     side = fields.value(TRUNCATION_SIDE)
     if keep is None:
-        return None
+        return {"truncate": True, "truncation_direction": side} if cuts else None
     positions = model.positions
     if positions > 0 and keep > positions:
         raise BadRequest(
