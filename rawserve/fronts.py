@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -218,7 +217,7 @@ Front = OneProcess | HttpProcesses  # who speaks HTTP: the serving process, or i
 
 def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
     """What a full queue's Retry-After says now (without counting a refusal)."""
-    return lambda: scheduler.core.retry_after(time.monotonic())
+    return scheduler.full_retry_after
 
 
 @dataclass

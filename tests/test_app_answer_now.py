@@ -169,6 +169,25 @@ def tei_refusal(app: App, head: HttpRequest) -> tuple[int, str, dict[str, str]]:
     return answer.status, json.loads(answer.body)["error_type"], dict(answer.headers)
 
 
+def test_a_full_queues_ready_says_to_come_back_when_its_refusals_do():
+    """/ready's Retry-After for a full queue was always 1 s, beside refusals of that queue
+    saying 4: a balancer came back to the same full server before the clients it sent
+    away did. It says what a refusal says now."""
+    import math
+
+    model = served("model", "text-classification", max_queue=8)
+    app = App(ServedModels([model]))
+    fill(model)
+    core = model.serving.queue.core
+    core.cost_model.observe(16, 3.0)  # queued items that take seconds to drain
+    core.cost_model.observe(16, 3.0)
+    refusal = model.serving.admission()
+    assert refusal is not None and refusal.retry_after is not None and refusal.retry_after > 1
+    ready = app.answer_now(request("GET", "/ready"))
+    assert ready is not None and ready.status == 503
+    assert ("Retry-After", str(math.ceil(refusal.retry_after))) in ready.headers
+
+
 def served(name: str, task: str, max_queue: int = 1) -> ServedModel:
     workers = Workers()
     workers.loaded = loaded(task)

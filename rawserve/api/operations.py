@@ -152,7 +152,11 @@ class OperationsRoutes:
             return json_response(503, {**waiting[0][1], **several}, [("Retry-After", str(wait))])
         full = any(status["status"] == "full" for status in statuses.values())
         if full and not full_is_ready:
-            headers = [("Retry-After", str(FULL_RETRY_AFTER))]
+            # as long as a request refused now is told to wait (a probe said 1 s, beside
+            # refusals saying 4)
+            waits = [served.serving.snapshot().full_retry_after for served in models]
+            told = max((w for w in waits if w is not None), default=FULL_RETRY_AFTER)
+            headers = [("Retry-After", str(max(1, math.ceil(told))))]
             return json_response(503, {"status": "full", **several}, headers)
         answer = "full" if full else "ready"
         if several:

@@ -299,6 +299,7 @@ class RemoteServing:
             snapshot,
             ready=ready and not stalled,
             full=self.full,
+            full_retry_after=self.board.retry_after(self.index) if self.full else None,
             # one stopped or stuck writes nothing, and `/health` must say so, as it would
             # if this process were that one
             healthy=self.board.flag(self.index, HEALTHY) and silent < SERVING_SILENT_SECONDS,

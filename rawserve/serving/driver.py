@@ -254,6 +254,10 @@ class Scheduler:
         """The queue is at its bound: any new item would be refused."""
         return len(self.core) >= self.core.bound
 
+    def full_retry_after(self) -> float:
+        """What a full queue's Retry-After says now (without counting a refusal)."""
+        return self.core.retry_after(time.monotonic())
+
     @property
     def headroom(self) -> float:
         """The share of the queue's bound still free (0.0: full)."""

@@ -90,6 +90,8 @@ class ServingStatus:
     # the most items one request may ever be admitted with: --max-queue, and the rows of
     # workers that take one item at a time (None: not known here)
     most_admitted: int | None = None
+    # while full: the seconds a refusal's Retry-After says now (None: the default wait)
+    full_retry_after: float | None = None
 
 
 class Serving(Protocol):

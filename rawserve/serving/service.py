@@ -22,6 +22,8 @@ class Queue(Protocol):
     @property
     def headroom(self) -> float: ...
 
+    def full_retry_after(self) -> float: ...
+
     @property
     def max_batch_size(self) -> int: ...
 
@@ -136,7 +138,8 @@ class ModelService:
         return ServingStatus(
             ready=self.workers.ready,
             healthy=self.workers.healthy,
-            full=self.queue.full,
+            full=(full := self.queue.full),
+            full_retry_after=self.queue.full_retry_after() if full else None,
             max_batch_size=self.queue.max_batch_size,
             load_state=state,
             loading_seconds=seconds,
