@@ -415,6 +415,10 @@ def test_chat_template_kwargs_go_to_the_template_with_the_chat():
         parse_chat(
             {"messages": hi, "chat_template_kwargs": {"tokenize": 1, "add_generation_prompt": 0}}
         )
+    # Jinja's own names: shadowed, a template calling namespace() failed, blaming the chat
+    with pytest.raises(BadRequest, match="cannot set namespace, range") as refused:
+        parse_chat({"messages": hi, "chat_template_kwargs": {"range": "x", "namespace": 1}})
+    assert refused.value.param == "chat_template_kwargs"
     for wrong in ([], {"no-name": 1}, {"_private": 1}, {f"k{i}": i for i in range(33)}):
         with pytest.raises(BadRequest, match="must be an object of at most 32 values by name"):
             parse_chat({"messages": hi, "chat_template_kwargs": wrong})

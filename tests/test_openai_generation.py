@@ -466,6 +466,46 @@ def test_chat_fields_it_does_not_serve_are_400_naming_them(servers, extra):
     assert raised.value.param == name
 
 
+# vLLM's sampling and detokenizing fields at their defaults, as its clients send them
+VLLM_DEFAULTS = {
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "stop_token_ids": [],
+    "bad_words": [],
+    "allowed_token_ids": None,
+    "prompt_logprobs": None,
+    "return_tokens_as_token_ids": False,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "priority": 0,
+    "logits_processors": None,
+}
+
+
+def test_vllms_fields_at_their_defaults_are_taken_and_others_named_400(servers):
+    """A vLLM client sends its defaults (`skip_special_tokens: true`, `priority: 0`...):
+    each was 400 "unknown field", though rawserve does what they ask. Taken at those,
+    each is 400 naming it at any other value, as OpenAI's unserved fields are."""
+    import openai
+
+    chat = client(servers["chat"])
+    plain = client(servers["plain"])
+    asked = {"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    expected = chat.chat.completions.create(**asked).choices[0].message.content
+    chat_only = {"add_special_tokens": False, "echo": False, "chat_template": None}
+    got = chat.chat.completions.create(**asked, extra_body={**VLLM_DEFAULTS, **chat_only})
+    assert got.choices[0].message.content == expected
+    completed = {"model": PLAIN_MODEL, "prompt": "the movie", "max_tokens": 3}
+    extra = {**VLLM_DEFAULTS, "add_special_tokens": True}
+    assert plain.completions.create(**completed, extra_body=extra).choices[0].text
+    for name, other in [("skip_special_tokens", False), ("stop_token_ids", [2]), ("priority", 1)]:
+        with pytest.raises(openai.BadRequestError) as raised:
+            plain.completions.create(**completed, extra_body={name: other})
+        assert raised.value.param == name
+        assert f'"{name}" is not supported by this server' in raised.value.message
+
+
 @pytest.mark.parametrize(
     "messages",
     [

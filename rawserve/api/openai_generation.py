@@ -83,7 +83,8 @@ from rawserve.tasks.text_generation import (
 )
 
 # chat_template_kwargs (vLLM's): the template's own settings, never the names that
-# apply_chat_template or the template's functions already take
+# apply_chat_template, the template's functions or Jinja's own (`range`, `namespace`:
+# shadowed, the template failed, a 422 blaming the messages) already take
 MAX_TEMPLATE_KWARGS = 32
 TEMPLATE_NAME = re.compile("[A-Za-z][A-Za-z0-9_]*")
 RESERVED_TEMPLATE_NAMES = frozenset(
@@ -92,7 +93,7 @@ RESERVED_TEMPLATE_NAMES = frozenset(
         "add_generation_prompt", "continue_final_message", "tokenize",
         "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
         "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
-        "strftime_now",
+        "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace",
     }
 )  # fmt: skip
 # OpenAI's reasoning efforts ("none": the model's own, its template's default)
@@ -1058,7 +1059,40 @@ COMMON: dict[str, Field] = {
     "guided_regex": Field({"type": ["string", "null"], "minLength": 1}, read_guided_regex),
     "guided_choice": Field(GUIDED_CHOICE, read_guided_choice),
     "structured_outputs": Field(STRUCTURED_OUTPUTS, read_structured_outputs),
+    # vLLM's that rawserve does not do, taken at their defaults (its clients send them)
+    "skip_special_tokens": unserved({"enum": [True, None]}, True),
+    "spaces_between_special_tokens": unserved({"enum": [True, None]}, True),
+    "include_stop_str_in_output": unserved({"enum": [False, None]}, False),
+    "stop_token_ids": unserved({"enum": [[], None]}, []),
+    "bad_words": unserved({"enum": [[], None]}, []),
+    "allowed_token_ids": unserved({"type": "null"}),
+    "prompt_logprobs": unserved({"type": "null"}),
+    "return_tokens_as_token_ids": unserved({"enum": [False, None]}, False),
+    "use_beam_search": unserved({"enum": [False, None]}, False),
+    "length_penalty": unserved({"enum": [1, None]}, 1),
+    "priority": unserved({"enum": [0, None]}, 0),
+    "logits_processors": unserved({"type": "null"}),
+    "guided_grammar": unserved({"type": "null"}),
+    "guided_whitespace_pattern": unserved({"type": "null"}),
+    "guided_decoding_backend": unserved({"type": "null"}),
 }
+VLLM_UNSERVED = (
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "stop_token_ids",
+    "bad_words",
+    "allowed_token_ids",
+    "prompt_logprobs",
+    "return_tokens_as_token_ids",
+    "use_beam_search",
+    "length_penalty",
+    "priority",
+    "logits_processors",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "guided_decoding_backend",
+)
 CHAT = Body(
     {
         "messages": Field(
@@ -1103,6 +1137,11 @@ CHAT = Body(
         "verbosity": unserved({"enum": ["medium", None]}, "medium"),
         "web_search_options": unserved({"type": "null"}),
         "moderation": unserved({"type": "null"}),
+        # vLLM's: the template adds the special tokens a chat starts with
+        "add_special_tokens": unserved({"enum": [False, None]}, False),
+        "echo": unserved({"enum": [False, None]}, False),
+        "chat_template": unserved({"type": "null"}),
+        "documents": unserved({"type": "null"}),
     }
 )
 CHAT_BOOKKEEPING = ("metadata", "safety_identifier", *PROMPT_CACHE)
@@ -1115,8 +1154,13 @@ CHAT_UNSERVED = (
     "verbosity",
     "web_search_options",
     "moderation",
+    "add_special_tokens",
+    "echo",
+    "chat_template",
+    "documents",
+    *VLLM_UNSERVED,
 )
-COMPLETION_UNSERVED = ("suffix",)
+COMPLETION_UNSERVED = ("suffix", "add_special_tokens", *VLLM_UNSERVED)
 COMPLETION = Body(
     {
         "prompt": Field(prompt_schema, read_prompts, reads_null=True, required=True),
@@ -1124,6 +1168,7 @@ COMPLETION = Body(
         "echo": flag(False, "the prompt before its completion (and its tokens' log probabilities)"),
         "max_tokens": whole(0, MAX_NEW_TOKENS),  # 0 only with echo: the prompt scored
         "suffix": unserved({"type": "null"}),
+        "add_special_tokens": unserved({"enum": [True, None]}, True),  # vLLM's: as it does
         # OpenAI's bound is 5; the chat route's 20 is taken here too
         "logprobs": whole(0, MAX_TOP_N_TOKENS),
         # sampled completions a prompt, of which the `n` likeliest answer (OpenAI's)
