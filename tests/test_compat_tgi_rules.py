@@ -124,6 +124,15 @@ def test_a_stop_refused_says_a_string_or_a_list_is_taken(stop):
         check_params(TASK, {"stop": stop})
 
 
+def test_a_stop_holding_a_replacement_character_is_refused():
+    """A decoder writes U+FFFD for bytes that make no character, a byte each: a stop
+    found in them ended answers said "stop_sequence" whose text held no stop (cut short,
+    the bytes read otherwise)."""
+    assert TASK is not None
+    with pytest.raises(ValueError, match="may not hold U\\+FFFD, the replacement character"):
+        check_params(TASK, {"stop": ["ok", "a\ufffd"]})
+
+
 @pytest.mark.parametrize("value", [0.95, 0.01, 1.0])
 def test_typical_p_is_served_from_above_0_to_1_which_is_off(value):
     # LangChain's HuggingFaceEndpoint sends typical_p 0.95 unless told otherwise

@@ -383,6 +383,7 @@ def test_chat_content_as_text_parts_is_the_same_prompt(servers):
         {"temperature": -0.5},
         {"top_p": 1.5},
         {"stop": [""]},
+        {"stop": "\ufffd"},  # (what a decoder writes for bytes that make no character)
         {"extra_body": {"no_such_field": 1}},
     ],
     ids=repr,

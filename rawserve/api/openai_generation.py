@@ -567,7 +567,9 @@ def stop_sequences(value: Any) -> list[str]:
         return []
     try:
         stops = text_generation.stop_sequences(value)
-    except ValueError:
+    except ValueError as exc:
+        if str(exc) == text_generation.REPLACEMENT_IN_STOP:
+            raise BadRequest(f'"stop" {exc}') from None
         raise BadRequest(
             f'"stop" must be a text or a list of at most {MAX_STOP_SEQUENCES} non-empty texts '
             "of at most 200 characters"

@@ -148,9 +148,10 @@ def generate_request(context: DocContext) -> Schema:
     """TGI's body: `POST /`'s for the text-generation task, one text as `inputs`, and the
     "model" field that picks one of several served models, as on the other API routes."""
     schema = inference_request(context)
-    inputs = {"type": "string", "description": "the prompt: one text (a list is 422)"}
+    inputs = {"type": "string", "minLength": 1, "description": "the prompt: one text"}
     properties = {**schema["properties"], "inputs": inputs, "model": MODEL.schema_in(context)}
-    return {**schema, "properties": properties}
+    described = "TGI's: one prompt, and the task's parameters"
+    return {**schema, "description": described, "properties": properties}
 
 
 class TgiRoutes:

@@ -181,7 +181,19 @@ def stop_sequences(value: Any) -> list[str]:
             f"must be a non-empty string, or a list of at most {MAX_STOP_SEQUENCES} of them, "
             "of at most 200 characters each"
         )
+    if any(REPLACEMENT in v for v in value):
+        raise ValueError(REPLACEMENT_IN_STOP)
     return value
+
+
+# A stop holding U+FFFD: a decoder reads bytes that make no character as it, a byte each,
+# and the same bytes cut short read otherwise, so that no cut of the answer would end
+# with the stop (answers said "stop" with texts that held none).
+REPLACEMENT = "\ufffd"
+REPLACEMENT_IN_STOP = (
+    "may not hold U+FFFD, the replacement character: a decoder writes it for bytes that "
+    "make no character, none the model wrote"
+)
 
 
 def stop_tail(text: str, stops: Sequence[str]) -> str:

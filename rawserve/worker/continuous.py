@@ -942,17 +942,14 @@ def stopped_pieces(
     `before`); None where none ends in them. Where they let out a run of byte tokens
     that is not UTF-8 as a whole, a stop may end where it reads as UTF-8 (`readable`),
     as TGI reads the text token by token: the run cut there is UTF-8, and its texts are
-    those. Its U+FFFDs stand for bytes that make no character: a stop that ends in
-    them before the last is not found (the run cut there would read otherwise)."""
+    those. (No stop holds its U+FFFDs: `text_generation.stop_sequences`.)"""
     first = made - len(pieces)  # (the tokens before them)
     if readable is not None:
         text = before + "".join(readable)
         if kept := pieces_through_stop(text, readable, first + len(readable), stops_after, stops):
             return list(readable[:kept])
     kept = pieces_through_stop(before + "".join(pieces), pieces, made, stops_after, stops)
-    if not kept or readable is not None and kept < len(pieces):
-        return None
-    return list(pieces[:kept])
+    return list(pieces[:kept]) if kept else None
 
 
 def pieces_through_stop(
