@@ -2402,6 +2402,18 @@ def test_a_temperature_near_0_draws_as_the_loop_draws_on_the_static_path(runner)
     assert got == static(runner, "the movie was", {**params, "temperature": 1e-5})
 
 
+def test_a_greedy_api_request_gives_generate_no_sampling_defaults():
+    """The routes' `top_k` 0 is theirs for sampling: given to a greedy `generate`, each
+    static batch logged "generation flags are not valid and may be ignored: ['top_k']"."""
+    from rawserve.worker.causal_lm import API_DEFAULTS, generate_kwargs
+
+    greedy = {"max_new_tokens": 4, "do_sample": False, API_SAMPLING: True}
+    assert "top_k" not in generate_kwargs(greedy, {}, API_DEFAULTS)
+    sampled = generate_kwargs({**greedy, "do_sample": True}, {}, API_DEFAULTS)
+    assert sampled["top_k"] == 0
+    assert generate_kwargs({**greedy, "top_k": 5}, {}, API_DEFAULTS)["top_k"] == 5  # (asked)
+
+
 def test_post_root_samples_at_the_pipelines_temperature_and_the_api_routes_at_theirs(runner):
     """Where neither the request nor the model's generation config sets a temperature,
     `POST /` samples as the text-generation pipeline does (0.7); the OpenAI and TGI routes

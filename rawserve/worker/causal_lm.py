@@ -247,6 +247,9 @@ def generate_kwargs(
     greedy_at_zero_temperature(kwargs)
     if not kwargs.get("do_sample") and "temperature" not in params:
         kwargs.pop("temperature", None)  # a default for sampling only (as the pipeline's)
+    if not kwargs.get("do_sample"):  # (generate warned of each, for every greedy batch)
+        for name in api_defaults.keys() - params.keys():
+            kwargs.pop(name, None)
     at_least_the_least_temperature(kwargs)
     return kwargs
 
