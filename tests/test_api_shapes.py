@@ -419,6 +419,9 @@ def test_chat_template_kwargs_go_to_the_template_with_the_chat():
     with pytest.raises(BadRequest, match="cannot set namespace, range") as refused:
         parse_chat({"messages": hi, "chat_template_kwargs": {"range": "x", "namespace": 1}})
     assert refused.value.param == "chat_template_kwargs"
+    # and the names apply_chat_template's own calls take ("got multiple values for self")
+    with pytest.raises(BadRequest, match="cannot set conversations, self"):
+        parse_chat({"messages": hi, "chat_template_kwargs": {"self": 1, "conversations": 1}})
     for wrong in ([], {"no-name": 1}, {"_private": 1}, {f"k{i}": i for i in range(33)}):
         with pytest.raises(BadRequest, match="must be an object of at most 32 values by name"):
             parse_chat({"messages": hi, "chat_template_kwargs": wrong})

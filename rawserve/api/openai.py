@@ -540,7 +540,9 @@ class OpenAIRoutes:
                 texts = await echoed_texts(self.context.tokenizers, model, prompts)
                 echo_texts = [text for text in texts for _ in choices]
             # told once for the stream, naming the field at fault (a grammar failed midway)
-            end = StreamEnd(functools.partial(name_field, generation=generation, chat=chat))
+            responses = isinstance(shape, ResponseAnswer)  # (its messages are its "input")
+            named = functools.partial(name_field, generation=generation, chat=chat)
+            end = StreamEnd(functools.partial(named, responses=responses))
             streams = [
                 TokenStream(model, prompt, params, deadline, request.request_id, end)
                 for prompt in prompts

@@ -93,7 +93,8 @@ RESERVED_TEMPLATE_NAMES = frozenset(
         "add_generation_prompt", "continue_final_message", "tokenize",
         "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
         "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
-        "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace",
+        "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace", "self",
+        "conversations",
     }
 )  # fmt: skip
 # OpenAI's reasoning efforts ("none": the model's own, its template's default)
