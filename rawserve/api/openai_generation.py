@@ -751,7 +751,9 @@ def read_template_kwargs(name: str, value: Any, context: DocContext | None) -> d
             '(such as {"enable_thinking": false})'
         )
     if taken := sorted(RESERVED_TEMPLATE_NAMES & set(value)):
-        raise BadRequest(f'"{name}" cannot set {", ".join(taken)}: the server sets it')
+        raise BadRequest(
+            f'"{name}" cannot set {", ".join(taken)}: the server or the template sets it'
+        )
     return value
 
 
