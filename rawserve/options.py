@@ -413,9 +413,14 @@ class OneLineParser(argparse.ArgumentParser):
     A line about an option its variable set says so (`given`: the command line)."""
 
     given: Sequence[str] = ()
-    # a switch variable's bad value, refused once the command line is read: --help and
-    # --version are answered whatever the environment holds
-    refused_later: str | None = None
+    # the switch variables' bad values, by flag, refused once the command line is read
+    # (--help and --version are answered whatever the environment holds) where the flag
+    # is not given: beside its flag, a variable is not read
+    refused_later: dict[str, str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused_later = {}
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}{self._set_by(message)}\n")
@@ -538,9 +543,10 @@ def build_parser() -> OneLineParser:
     for option in OPTIONS:
         if option.type is bool:  # a switch; its variable is 1/true/yes/on or 0/false/no/off
             value = os.environ.get(option.env, "").strip().lower()
-            if value not in ENV_TRUE + ENV_FALSE and parser.refused_later is None:
+            if value not in ENV_TRUE + ENV_FALSE:
                 named = ", ".join(word for word in ENV_TRUE + ENV_FALSE if word)
-                parser.refused_later = f"{option.env} must be one of {named}, or empty"
+                refusal = f"{option.env} must be one of {named}, or empty"
+                parser.refused_later[option.flag] = refusal
             help = f"{option.help} [env {option.env}=1]"
             parser.add_argument(
                 option.flag, action="store_true", default=value in ENV_TRUE, help=help
@@ -638,8 +644,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     sagemaker = given[:1] == [SAGEMAKER_COMMAND]
     parser.given = given = given[1:] if sagemaker else given
     args = parser.parse_args(given)
-    if parser.refused_later is not None:
-        parser.error(parser.refused_later)
+    for flag, refusal in parser.refused_later.items():
+        if not parser.typed(flag):
+            parser.error(refusal)
     # argparse keeps the last of an option's values, as a wrapper's defaults overridden by
     # its user's want; where a second reads as "and this one too", it is refused
     for flag, instead in READ_AS_SEVERAL.items():

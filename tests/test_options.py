@@ -224,6 +224,8 @@ def test_a_switch_variable_of_another_word_names_the_words_it_takes(monkeypatch,
     assert error.endswith(
         "RAWSERVE_NO_WARMUP must be one of 1, true, yes, on, 0, false, no, off, or empty"
     )
+    # beside its flag, the variable is not read, as a value option's is not (it was refused)
+    assert SWITCHES["RAWSERVE_NO_WARMUP"](parse_config(["--no-warmup"])) is True
     # --help and --version are answered whatever the environment holds (they were not)
     for asked in ("--help", "--version"):
         with pytest.raises(SystemExit) as exit:
