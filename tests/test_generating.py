@@ -2402,16 +2402,23 @@ def test_a_temperature_near_0_draws_as_the_loop_draws_on_the_static_path(runner)
     assert got == static(runner, "the movie was", {**params, "temperature": 1e-5})
 
 
-def test_a_greedy_api_request_gives_generate_no_sampling_defaults():
+def test_a_greedy_request_gives_generate_no_sampling_flags():
     """The routes' `top_k` 0 is theirs for sampling: given to a greedy `generate`, each
-    static batch logged "generation flags are not valid and may be ignored: ['top_k']"."""
+    static batch logged "generation flags are not valid and may be ignored: ['top_k']",
+    as it did for a `top_p` a greedy request sent itself."""
     from rawserve.worker.causal_lm import API_DEFAULTS, generate_kwargs
 
     greedy = {"max_new_tokens": 4, "do_sample": False, API_SAMPLING: True}
     assert "top_k" not in generate_kwargs(greedy, {}, API_DEFAULTS)
     sampled = generate_kwargs({**greedy, "do_sample": True}, {}, API_DEFAULTS)
     assert sampled["top_k"] == 0
-    assert generate_kwargs({**greedy, "top_k": 5}, {}, API_DEFAULTS)["top_k"] == 5  # (asked)
+    # greedy at temperature 0 (OpenAI's), beside what would be sampled with
+    sent = {**greedy, "temperature": 0.0, "top_k": 5, "top_p": 0.5, "min_p": 0.1}
+    assert (
+        not {"top_k", "top_p", "min_p", "typical_p"}
+        & generate_kwargs(sent, {}, API_DEFAULTS).keys()
+    )
+    assert generate_kwargs({**sent, "temperature": 1.0}, {}, API_DEFAULTS)["top_p"] == 0.5
 
 
 def test_post_root_samples_at_the_pipelines_temperature_and_the_api_routes_at_theirs(runner):

@@ -114,6 +114,9 @@ GENERATE_DEFAULTS = {"top_k": 50}
 # The OpenAI and TGI routes' own (API_SAMPLING), for what the model's generation config
 # leaves unset: every token may be drawn, as TGI and vLLM draw (not generate's 50 likeliest).
 API_DEFAULTS: dict[str, Any] = {"top_k": 0}
+# What a greedy `generate` ignores, warning of it ("generation flags are not valid and may
+# be ignored") at every batch: left out where it does not sample (typical_p below 1 samples)
+SAMPLING_ONLY = ("top_k", "top_p", "min_p", "typical_p")
 # The generation-config settings that change what `generate` makes and that the continuous
 # loop does not apply, each with the value that changes nothing (None, or an empty list,
 # changes nothing for every one): a model whose config sets one generates statically, one
@@ -248,7 +251,7 @@ def generate_kwargs(
     if not kwargs.get("do_sample") and "temperature" not in params:
         kwargs.pop("temperature", None)  # a default for sampling only (as the pipeline's)
     if not kwargs.get("do_sample"):  # (generate warned of each, for every greedy batch)
-        for name in api_defaults.keys() - params.keys():
+        for name in SAMPLING_ONLY:
             kwargs.pop(name, None)
     at_least_the_least_temperature(kwargs)
     return kwargs
