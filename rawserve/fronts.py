@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -136,7 +136,7 @@ class HttpProcesses:
             [
                 BridgedModel(
                     model.service,
-                    retry_after=queue_retry_after(model.scheduler),
+                    retry_after=model.scheduler.full_retry_after,
                     facts=model.facts,
                 )
                 for model in models
@@ -213,11 +213,6 @@ class HttpProcesses:
 
 
 Front = OneProcess | HttpProcesses  # who speaks HTTP: the serving process, or its fleet
-
-
-def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
-    """What a full queue's Retry-After says now (without counting a refusal)."""
-    return scheduler.full_retry_after
 
 
 @dataclass

@@ -1064,7 +1064,9 @@ COMMON: dict[str, Field] = {
     "guided_regex": Field({"type": ["string", "null"], "minLength": 1}, read_guided_regex),
     "guided_choice": Field(GUIDED_CHOICE, read_guided_choice),
     "structured_outputs": Field(STRUCTURED_OUTPUTS, read_structured_outputs),
-    # vLLM's that rawserve does not do, taken at their defaults (its clients send them)
+}
+# vLLM's that rawserve does not do, taken at their defaults (its clients send them)
+VLLM_UNSERVED_FIELDS: dict[str, Field] = {
     "skip_special_tokens": unserved({"enum": [True, None]}, True),
     "spaces_between_special_tokens": unserved({"enum": [True, None]}, True),
     "include_stop_str_in_output": unserved({"enum": [False, None]}, False),
@@ -1081,23 +1083,8 @@ COMMON: dict[str, Field] = {
     "guided_whitespace_pattern": unserved({"type": "null"}),
     "guided_decoding_backend": unserved({"type": "null"}),
 }
-VLLM_UNSERVED = (
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "stop_token_ids",
-    "bad_words",
-    "allowed_token_ids",
-    "prompt_logprobs",
-    "return_tokens_as_token_ids",
-    "use_beam_search",
-    "length_penalty",
-    "priority",
-    "logits_processors",
-    "guided_grammar",
-    "guided_whitespace_pattern",
-    "guided_decoding_backend",
-)
+COMMON |= VLLM_UNSERVED_FIELDS
+VLLM_UNSERVED = tuple(VLLM_UNSERVED_FIELDS)
 CHAT = Body(
     {
         "messages": Field(

@@ -444,12 +444,12 @@ def event_stream(
         for stream in streams:
             stream.release()
 
-    for stream in streams:
-        stream.sent_as_events()
-
     def watched(taken: Callable[[], int]) -> None:
         for stream in streams:
             stream.watched(taken)
+
+    for stream in streams:
+        stream.sent_as_events()
 
     # a first token that did not come within the interval: the head goes with a comment
     # (else the first came only after a second interval of silence)

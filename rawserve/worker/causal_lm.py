@@ -248,9 +248,9 @@ def generate_kwargs(
     if asks_sampling(params):  # as TGI reads them (its client sends do_sample false beside)
         kwargs["do_sample"] = True
     greedy_at_zero_temperature(kwargs)
-    if not kwargs.get("do_sample") and "temperature" not in params:
-        kwargs.pop("temperature", None)  # a default for sampling only (as the pipeline's)
     if not kwargs.get("do_sample"):  # (generate warned of each, for every greedy batch)
+        if "temperature" not in params:
+            kwargs.pop("temperature", None)  # a default for sampling only (the pipeline's)
         for name in SAMPLING_ONLY:
             kwargs.pop(name, None)
     at_least_the_least_temperature(kwargs)
